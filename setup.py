@@ -1,0 +1,67 @@
+"""vllm_pq_backend: product-quantized KV cache attention backend for vLLM.
+
+The CUDA kernels (csrc/) build when this runs next to a CUDA build of torch and nvcc:
+``pip install --no-build-isolation -e .``. Elsewhere (a CPU-only machine, or pip's
+isolated build env, which has no torch) the package installs as pure Python and uses its
+PyTorch reference path.
+"""
+
+import glob
+import os
+
+from setuptools import find_packages, setup
+
+
+def cuda_extensions():
+    try:
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
+    except ImportError:
+        print("vllm_pq_backend: torch is not importable here; skipping the CUDA kernels")
+        return [], {}
+    if torch.version.cuda is None or CUDA_HOME is None:
+        print(
+            "vllm_pq_backend: no CUDA build of torch or no nvcc (CUDA_HOME); installing "
+            "without the CUDA kernels (the PyTorch reference path is used)"
+        )
+        return [], {}
+    here = os.path.dirname(os.path.abspath(__file__))
+    sources = sorted(glob.glob("csrc/*.cu")) + ["csrc/pq_binding.cpp"]
+    nvcc = ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo", "-Xptxas=-v"]
+    ext = CUDAExtension(
+        "vllm_pq_backend._C",
+        sources,
+        include_dirs=[os.path.join(here, "csrc")],
+        extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": nvcc},
+    )
+    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
+
+
+ext_modules, cmdclass = cuda_extensions()
+
+setup(
+    name="vllm_pq_backend",
+    version="0.1.0",
+    description="Product-quantized KV cache attention backend for vLLM",
+    long_description=open("README.md").read() if os.path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["vllm_pq_backend", "vllm_pq_backend.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "vllm==0.32.0",
+        "torch==2.13.0",
+        "safetensors==0.8.0",
+        "faiss-cpu==1.15.1",
+        "tqdm==4.70.1",
+    ],
+    extras_require={
+        "test": ["pytest==9.2.0"],
+        "eval": ["lm-eval==0.4.13", "matplotlib==3.10.8", "gguf==0.19.0", "accelerate==1.15.0"],
+    },
+    entry_points={
+        "vllm.general_plugins": ["pq_backend = vllm_pq_backend:register"],
+        "console_scripts": ["vllm-pq-calibrate = vllm_pq_backend.calibrate:main"],
+    },
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+)

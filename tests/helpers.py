@@ -1,0 +1,238 @@
+"""Drive the backend the way vLLM's model runner does, without a model or a GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import types
+
+import numpy as np
+import torch
+
+from vllm_pq_backend import codebooks
+from vllm_pq_backend.layout import NUM_CENTROIDS
+
+
+def write_model_config(path, *, head_dim=64, q_heads=4, kv_heads=2, layers=2, vocab=512):
+    os.makedirs(path, exist_ok=True)
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": q_heads * head_dim,
+        "head_dim": head_dim,
+        "intermediate_size": 256,
+        "num_attention_heads": q_heads,
+        "num_key_value_heads": kv_heads,
+        "num_hidden_layers": layers,
+        "vocab_size": vocab,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "torch_dtype": "bfloat16",
+        "tie_word_embeddings": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return path
+
+
+def hf_config(path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path, local_files_only=True)
+
+
+def random_codebooks(path, model_dir, m, seed=0):
+    cfg = hf_config(model_dir)
+    d = codebooks.head_dim_of(cfg)
+    g = torch.Generator().manual_seed(seed)
+    shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, m, NUM_CENTROIDS, d // m)
+    k = torch.randn(shape, generator=g)
+    v = torch.randn(shape, generator=g)
+    codebooks.save_codebooks(path, k, v, cfg, {"model": model_dir})
+    return path
+
+
+def vllm_config(model_dir, *, block_size, pq, max_num_seqs=16, max_model_len=2048):
+    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+
+    mc = ModelConfig(
+        model=model_dir, dtype="bfloat16", max_model_len=max_model_len,
+        skip_tokenizer_init=True,
+    )
+    return VllmConfig(
+        model_config=mc,
+        cache_config=CacheConfig(block_size=block_size),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_model_len,
+            max_model_len=max_model_len, is_encoder_decoder=False,
+        ),
+        additional_config={"pq": pq},
+    )
+
+
+class Request:
+    def __init__(self, rid, row, blocks):
+        self.rid, self.row, self.blocks = rid, row, blocks
+        self.q, self.k, self.v = [], [], []  # every token's rows so far
+
+    @property
+    def length(self):
+        return sum(x.shape[0] for x in self.k)
+
+
+class Sim:
+    """One attention layer of a model served by vLLM: requests come and go, each step
+    builds CommonAttentionMetadata (decodes first), stores K/V, then attends."""
+
+    def __init__(self, vc, *, num_blocks=64, layer_index=0, seed=0, dtype=torch.float32):
+        from vllm.config import set_current_vllm_config
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+        from vllm_pq_backend.backend import PQAttentionBackend
+
+        self.vc = vc
+        mc = vc.model_config
+        self.d = mc.get_head_size()
+        self.hq = mc.get_num_attention_heads(vc.parallel_config)
+        self.hkv = mc.get_num_kv_heads(vc.parallel_config)
+        self.B = vc.cache_config.block_size
+        self.seed = seed
+        self.dtype = dtype
+        with set_current_vllm_config(vc):
+            spec = PQAttentionBackend.customize_spec(
+                FullAttentionSpec(
+                    block_size=self.B, num_kv_heads=self.hkv, head_size=self.d,
+                    dtype=torch.bfloat16,
+                )
+            )
+            self.impl = PQAttentionBackend.get_impl_cls()(
+                self.hq, self.d, self.d**-0.5, self.hkv
+            )
+            self.builder = PQAttentionBackend.get_builder_cls()(
+                spec, ["layer"], vc, torch.device("cpu")
+            )
+        self.spec = spec
+        self.layer = types.SimpleNamespace(layer_name=f"model.layers.{layer_index}.self_attn.attn")
+        self.kv_cache = torch.zeros(
+            num_blocks, self.hkv, self.B, spec.state_content_bytes, dtype=torch.uint8
+        )
+        self.free_blocks = list(np.random.default_rng(seed).permutation(np.arange(1, num_blocks)))
+        self.free_rows = list(range(vc.scheduler_config.max_num_seqs))[::-1]
+        self.reqs: dict[int, Request] = {}
+
+    def add(self, rid, shared_blocks=(), max_len=512):
+        """A new request; ``shared_blocks`` are full blocks it starts with (prefix hit).
+        Its q/k/v rows are drawn up front from (seed, rid), so they do not depend on how
+        the request is scheduled."""
+        r = Request(rid, self.free_rows.pop(), list(shared_blocks))
+        g = torch.Generator().manual_seed(self.seed * 1000 + rid)
+        r.source = [
+            torch.randn(max_len, h, self.d, generator=g).to(self.dtype)
+            for h in (self.hq, self.hkv, self.hkv)
+        ]
+        self.reqs[rid] = r
+        return r
+
+    def finish(self, rid, keep_blocks=0):
+        r = self.reqs.pop(rid)
+        self.free_rows.append(r.row)
+        self.free_blocks = r.blocks[keep_blocks:] + self.free_blocks
+        return r.blocks[:keep_blocks]
+
+    def step(self, work: list[tuple[int, int]], rows_for=None):
+        """``work``: (rid, new tokens). Returns {rid: output [n, Hq, d]}."""
+        from vllm.v1.attention.backend import CommonAttentionMetadata
+
+        work = sorted(work, key=lambda w: w[1] > 1)  # decodes first, as vLLM reorders
+        qsl, seq, slots, rows = [0], [], [], []
+        q_all, k_all, v_all = [], [], []
+        width = max(-(-(self.reqs[r].length + n) // self.B) for r, n in work)
+        table = torch.zeros(len(work), width, dtype=torch.int32)
+        for i, (rid, n) in enumerate(work):
+            r = self.reqs[rid]
+            start = r.length
+            while len(r.blocks) * self.B < start + n:
+                r.blocks.append(int(self.free_blocks.pop(0)))
+            table[i, : len(r.blocks)] = torch.tensor(r.blocks, dtype=torch.int32)
+            q, k, v = (x[start : start + n] for x in r.source)
+            r.q.append(q), r.k.append(k), r.v.append(v)
+            q_all.append(q), k_all.append(k), v_all.append(v)
+            pos = np.arange(start, start + n)
+            slots += [r.blocks[p // self.B] * self.B + p % self.B for p in pos]
+            qsl.append(qsl[-1] + n)
+            seq.append(start + n)
+            rows.append(r.row)
+        qsl_t = torch.tensor(qsl, dtype=torch.int32)
+        seq_t = torch.tensor(seq, dtype=torch.int32)
+        cam = CommonAttentionMetadata(
+            query_start_loc=qsl_t, query_start_loc_cpu=qsl_t, seq_lens=seq_t,
+            num_reqs=len(work), num_actual_tokens=qsl[-1], max_query_len=max(n for _, n in work),
+            max_seq_len=max(seq), block_table_tensor=table,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            seq_lens_cpu_upper_bound=seq_t, req_idx=np.array(rows),
+        )
+        md = self.builder.build(0, cam)
+        query, key, value = torch.cat(q_all), torch.cat(k_all), torch.cat(v_all)
+        out = torch.full_like(query, float("nan"))  # poisoned: every row must be written
+        self.impl.do_kv_cache_update(self.layer, key, value, self.kv_cache, cam.slot_mapping)
+        self.impl.forward(self.layer, query, key, value, self.kv_cache, md, out)
+        return {rid: out[qsl[i] : qsl[i + 1]] for i, (rid, _) in enumerate(work)}
+
+    def dense_reference(self, rid, window: int):
+        """Independent check: SDPA over quantize-dequantized K/V (full precision inside the
+        window), for every token of the request so far."""
+        from vllm_pq_backend.reference import decode_codes, encode
+        from vllm_pq_backend.layout import window_start
+
+        st = self.impl._state
+        r = self.reqs[rid]
+        q, k, v = (torch.cat(x).float() for x in (r.q, r.k, r.v))
+        k_hat = decode_codes(encode(k, st.k_cb32), st.k_cb32)
+        v_hat = decode_codes(encode(v, st.v_cb32), st.v_cb32)
+        n = k.shape[0]
+        pos = torch.arange(n)
+        ws = window_start(pos, window)
+        g = self.hq // self.hkv
+        outs = []
+        for i in range(n):
+            exact = (pos >= ws[i]).view(-1, 1, 1)
+            kk = torch.where(exact, k, k_hat)[: i + 1].repeat_interleave(g, 1)
+            vv = torch.where(exact, v, v_hat)[: i + 1].repeat_interleave(g, 1)
+            s = torch.einsum("hd,khd->hk", q[i], kk) * self.d**-0.5
+            outs.append(torch.einsum("hk,khd->hd", s.softmax(-1), vv))
+        return torch.stack(outs)
+
+
+def varlen_sdpa(q, k, v, cu_seqlens_q, max_seqlen_q, softmax_scale, causal, max_seqlen_k,
+                cu_seqlens_k=None, seqused_k=None, block_table=None, out=None,
+                return_softmax_lse=False, fa_version=None):
+    """FlashAttention's varlen API (the subset the backend uses) in plain PyTorch:
+    packed or paged K/V, bottom-right causal alignment, LSE ``[H, tokens]``."""
+    nq, hq, d = q.shape
+    g = hq // k.shape[-2]
+    o = torch.zeros(nq, hq, d, dtype=torch.float32)
+    lse = torch.full((hq, nq), float("-inf"))
+    for s in range(len(cu_seqlens_q) - 1):
+        a, b = int(cu_seqlens_q[s]), int(cu_seqlens_q[s + 1])
+        if block_table is not None:
+            n = int(seqused_k[s])
+            kk = k[block_table[s].long()].flatten(0, 1)[:n]
+            vv = v[block_table[s].long()].flatten(0, 1)[:n]
+        else:
+            ka, kb = int(cu_seqlens_k[s]), int(cu_seqlens_k[s + 1])
+            kk, vv, n = k[ka:kb], v[ka:kb], kb - ka
+        if n == 0 or b == a:
+            continue
+        sc = torch.einsum("qhd,khd->hqk", q[a:b].float(), kk.float().repeat_interleave(g, 1))
+        sc = sc * softmax_scale
+        if causal:
+            qi = torch.arange(b - a).view(-1, 1) + (n - (b - a))
+            sc = sc.masked_fill(torch.arange(n).view(1, -1) > qi, float("-inf"))
+        lse[:, a:b] = torch.logsumexp(sc, -1)
+        o[a:b] = torch.einsum("hqk,khd->qhd", sc.softmax(-1), vv.float().repeat_interleave(g, 1))
+    if out is not None:
+        out.copy_(o)
+    return (o, lse) if return_softmax_lse else o

@@ -1,0 +1,196 @@
+"""Registration, configuration checks, page sizing, codebook validation, the builder."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import random_codebooks, vllm_config, write_model_config
+from vllm_pq_backend import codebooks
+from vllm_pq_backend.config import PQConfig
+
+GOOD = dict(
+    head_size=128, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=None,
+    use_mla=False, has_sink=False, use_sparse=False, use_mm_prefix=False,
+    use_per_head_quant_scales=False, device_capability=None, attn_type="decoder",
+)
+
+
+def test_register_resolves_custom_idempotently():
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    import vllm_pq_backend
+    from vllm_pq_backend.backend import PQAttentionBackend
+
+    vllm_pq_backend.register()
+    vllm_pq_backend.register()
+    cls = AttentionBackendEnum.CUSTOM.get_class()
+    assert cls is PQAttentionBackend and cls.get_name() == "CUSTOM"
+    assert AttentionBackendEnum[cls.get_name()] is AttentionBackendEnum.CUSTOM
+
+
+def test_entry_point_is_installed():
+    from importlib.metadata import entry_points
+
+    eps = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert eps.get("pq_backend") == "vllm_pq_backend:register"
+
+
+def test_validate_accepts_supported():
+    from vllm_pq_backend.backend import PQAttentionBackend
+
+    for hs in (64, 128, 256):
+        for dt in (torch.float16, torch.bfloat16):
+            for bs in (None, 32, 128, 256):
+                kw = dict(GOOD, head_size=hs, dtype=dt, block_size=bs)
+                assert PQAttentionBackend.validate_configuration(**kw) == []
+
+
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        (dict(use_mla=True), "MLA"),
+        (dict(attn_type="encoder_only"), "decoder self-attention"),
+        (dict(attn_type="encoder_decoder"), "decoder self-attention"),
+        (dict(has_sliding_window=True), "sliding-window"),
+        (dict(has_sink=True), "sinks"),
+        (dict(head_size=96), "head sizes"),
+        (dict(head_size=80), "head sizes"),
+        (dict(dtype=torch.float32), "float16 or bfloat16"),
+        (dict(kv_cache_dtype="fp8"), "--kv-cache-dtype auto"),
+        (dict(kv_cache_dtype="turboquant_4bit_nc"), "--kv-cache-dtype auto"),
+        (dict(block_size=16), "multiple of 32"),
+        (dict(use_sparse=True), "sparse"),
+        (dict(use_kv_connector=True), "KV connectors"),
+        (dict(use_dcp=True), "decode context parallelism"),
+    ],
+)
+def test_validate_rejects(change, needle):
+    from vllm_pq_backend.backend import PQAttentionBackend
+
+    reasons = PQAttentionBackend.validate_configuration(**dict(GOOD, **change))
+    assert len(reasons) == 1 and needle in reasons[0], reasons
+
+
+def test_customize_spec_sizes_pages_from_codebooks(model_factory):
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from vllm_pq_backend.backend import PQAttentionBackend
+
+    model = model_factory(128, 8, 2)
+    dense = FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=128, dtype=torch.bfloat16)
+    for m in (16, 32, 64):
+        with set_current_vllm_config(vllm_config(model, block_size=128, pq={"m": m})):
+            spec = PQAttentionBackend.customize_spec(dense)
+        assert spec.page_size_bytes == 128 * 2 * 2 * m
+        assert dense.page_size_bytes / spec.page_size_bytes == 2 * 128 * 2 / (2 * m)
+        assert spec.dtype == torch.uint8
+
+
+def test_config_precedence_and_defaults(tmp_path, monkeypatch):
+    model = write_model_config(str(tmp_path / "m"))
+    monkeypatch.delenv("VLLM_PQ_M", raising=False)
+    cfg = PQConfig.from_sources(None, model)
+    assert cfg.codebook_file(64) == os.path.join(model, "pq_codebooks_m32.safetensors")
+    assert cfg.resolve_window(128) == 128 and cfg.resolve_window(32) == 32
+    monkeypatch.setenv("VLLM_PQ_M", "16")
+    monkeypatch.setenv("VLLM_PQ_WINDOW", "0")
+    cfg = PQConfig.from_sources(None, model)
+    assert cfg.m == 16 and cfg.resolve_window(128) == 0
+    assert cfg.codebook_file(64).endswith("pq_codebooks_m16.safetensors")
+    cfg = PQConfig.from_sources({"pq": {"m": 8, "window": 64}}, model)
+    assert cfg.m == 8 and cfg.resolve_window(128) == 64
+    with pytest.raises(ValueError, match="divides the KV block size"):
+        PQConfig.from_sources({"pq": {"window": 48}}, model).resolve_window(128)
+    with pytest.raises(ValueError, match="Unknown key"):
+        PQConfig.from_sources({"pq": {"M": 8}}, model)
+    with pytest.raises(ValueError, match="calibrate"):
+        PQConfig.from_sources(None, "org/not-a-local-folder")
+
+
+def test_codebook_errors_name_the_mismatch(tmp_path):
+    a = write_model_config(str(tmp_path / "a"), head_dim=64, layers=2)
+    b = write_model_config(str(tmp_path / "b"), head_dim=64, layers=3)
+    c = write_model_config(str(tmp_path / "c"), head_dim=128, layers=2)
+    path = random_codebooks(str(tmp_path / "a.safetensors"), a, 32)
+    info = codebooks.read_info(path)
+    codebooks.validate(info, codebooks_cfg(a), 32, a)  # matches
+    with pytest.raises(codebooks.CodebookError, match="num_hidden_layers: file 2, model 3"):
+        codebooks.validate(info, codebooks_cfg(b), None, b)
+    with pytest.raises(codebooks.CodebookError, match="head_dim: file 64, model 128"):
+        codebooks.validate(info, codebooks_cfg(c), None, c)
+    with pytest.raises(codebooks.CodebookError, match="M: file has 32, configuration asks for 16"):
+        codebooks.validate(info, codebooks_cfg(a), 16, a)
+    with pytest.raises(codebooks.CodebookError, match="not found.*calibrate"):
+        codebooks.read_info(str(tmp_path / "missing.safetensors"))
+    bogus = tmp_path / "bogus.safetensors"
+    bogus.write_bytes(b"not safetensors")
+    with pytest.raises(codebooks.CodebookError, match="not a readable safetensors"):
+        codebooks.read_info(str(bogus))
+    k, v = codebooks.load_layer(info, 1, slice(1, 2))
+    assert k.shape == v.shape == (1, 32, 256, 2) and k.dtype == torch.float32
+
+
+def codebooks_cfg(path):
+    from helpers import hf_config
+
+    return hf_config(path)
+
+
+def test_impl_refuses_wrong_codebooks(tmp_path):
+    from vllm.config import set_current_vllm_config
+
+    from vllm_pq_backend.impl import PQAttentionImpl
+
+    a = write_model_config(str(tmp_path / "a"), layers=2)
+    b = write_model_config(str(tmp_path / "b"), layers=3)
+    path = random_codebooks(str(tmp_path / "a.safetensors"), a, 32)
+    with set_current_vllm_config(vllm_config(b, block_size=64, pq={"codebooks": path})):
+        with pytest.raises(codebooks.CodebookError, match="do not match this model"):
+            PQAttentionImpl(4, 64, 0.125, 2)
+    with set_current_vllm_config(vllm_config(a, block_size=64, pq={})):  # default file absent
+        with pytest.raises(codebooks.CodebookError, match="pq_codebooks_m32.safetensors"):
+            PQAttentionImpl(4, 64, 0.125, 2)
+
+
+def test_builder_on_common_metadata(model_factory):
+    """Decode/prefill split, window rows and the prefill plan from CommonAttentionMetadata."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from vllm_pq_backend.backend import PQAttentionBackend
+
+    model = model_factory(64, 4, 2)
+    vc = vllm_config(model, block_size=32, pq={"window": 32, "m": 16})
+    with set_current_vllm_config(vc):
+        spec = PQAttentionBackend.customize_spec(
+            FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+        )
+        builder = PQAttentionBackend.get_builder_cls()(spec, ["l0"], vc, torch.device("cpu"))
+    # two decodes (contexts 40, 7), then a prefill chunk of 50 tokens after 20 cached
+    qsl = torch.tensor([0, 1, 2, 52], dtype=torch.int32)
+    seq = torch.tensor([40, 7, 70], dtype=torch.int32)
+    table = torch.tensor([[3, 4, 0], [5, 0, 0], [6, 7, 8]], dtype=torch.int32)
+    cam = CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq, num_reqs=3,
+        num_actual_tokens=52, max_query_len=50, max_seq_len=70, block_table_tensor=table,
+        slot_mapping=torch.arange(52), seq_lens_cpu_upper_bound=seq, req_idx=np.array([4, 0, 9]),
+    )
+    md = builder.build(0, cam)
+    assert (md.num_decodes, md.num_decode_tokens, md.num_prefills) == (2, 2, 1)
+    assert md.req_rows.tolist() == [4, 0, 9]
+    p = md.prefill
+    assert p.query_start_loc_cpu == [0, 50] and p.seq_lens_cpu == [70]
+    assert p.block_ids.tolist() == [6, 7, 8]
+    # positions 20..69 in windows [0,32) [32,64) [64,96): three segments
+    assert p.seg_cu_q.tolist() == [0, 12, 44, 50]
+    assert p.seg_cu_k.tolist() == [0, 32, 64, 70]  # 20 earlier tokens come from the store
+    assert p.store_rows.tolist() == [9] * 20 and p.store_slots.tolist() == list(range(20))
+    assert p.fp_src[:20].tolist() == [50 + i for i in range(20)]
+    assert p.code_len.tolist() == [32, 64] and p.code_rows.tolist() == list(range(12, 50))
+    assert p.win_pos.tolist() == list(range(64, 70)) and p.win_rows.tolist() == [9] * 6
+    with pytest.raises(RuntimeError, match="model runner V2"):
+        builder.build(0, cam.replace(req_idx=None))

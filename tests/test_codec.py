@@ -1,0 +1,79 @@
+"""The quantizer and the page layout: codes, reconstruction, byte offsets."""
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_pq_backend import reference
+from vllm_pq_backend.calibrate import train_pq
+from vllm_pq_backend.layout import PageLayout, window_start
+
+
+def test_codes_in_range_and_exact_on_centroids():
+    g = torch.Generator().manual_seed(0)
+    cb = torch.randn(2, 8, 256, 4, generator=g)  # H=2, M=8, d=32
+    codes = torch.randint(0, 256, (50, 2, 8), generator=g, dtype=torch.uint8)
+    x = reference.decode_codes(codes, cb)  # rows that are exactly centroids
+    assert x.shape == (50, 2, 32)
+    out = reference.encode(x, cb)
+    assert out.dtype == torch.uint8
+    assert torch.equal(out, codes)
+    y = torch.randn(300, 2, 32, generator=g) * 3
+    c = reference.encode(y, cb).long()
+    assert 0 <= c.min() and c.max() <= 255 and len(c.unique()) > 100
+
+
+def test_encode_picks_the_nearest_centroid_and_the_first_on_ties():
+    cb = torch.zeros(1, 1, 256, 2)
+    cb[0, 0, :, 0] = torch.arange(256.0)
+    cb[0, 0, 7] = cb[0, 0, 9] = torch.tensor([100.0, 0.0])  # duplicates: first wins
+    x = torch.tensor([[[41.2, 0.0]], [[100.0, 0.0]], [[-5.0, 0.0]]])
+    assert reference.encode(x, cb).flatten().tolist() == [41, 7, 0]
+
+
+def test_reconstruction_error_falls_as_m_grows():
+    rng = np.random.default_rng(0)
+    # correlated, heavy-tailed rows like real K/V
+    x = (rng.standard_t(4, size=(12000, 32)) @ rng.normal(size=(32, 32))).astype(np.float32)
+    errs = [train_pq(x, m, niter=10, seed=0)[1] for m in (4, 8, 16)]
+    assert errs[0] > errs[1] > errs[2] > 0, errs
+    assert errs[2] < 0.1, errs
+
+
+def test_page_byte_offsets():
+    lay = PageLayout(block_size=32, m=4)
+    assert lay.state_bytes == 8 and lay.head_bytes == 256
+    assert lay.k_code_offset(5, 2) == 5 * 4 + 2  # K codes [B][M]
+    assert lay.v_code_offset(5, 2) == 32 * 4 + 2 * 32 + 5  # V codes [M][B]
+    assert lay.kernel_args() == (0, 4, 128, 32)
+
+
+def test_store_writes_exactly_the_documented_bytes():
+    lay = PageLayout(block_size=32, m=4)
+    g = torch.Generator().manual_seed(1)
+    cb = torch.randn(2, 4, 256, 2, generator=g)  # H=2, d=8
+    cache = torch.zeros(3, 2, 32, lay.state_bytes, dtype=torch.uint8)
+    key = torch.randn(3, 2, 8, generator=g)
+    value = torch.randn(3, 2, 8, generator=g)
+    slots = torch.tensor([32 + 5, -1, 2 * 32 + 31])  # block 1 token 5; padding; block 2 token 31
+    reference.store(cache, key, value, slots, cb, cb, lay)
+    kc, vc = reference.encode(key, cb), reference.encode(value, cb)
+    flat = cache.flatten(2)  # [blocks, heads, B*2M]
+    for row, (blk, tok) in ((0, (1, 5)), (2, (2, 31))):
+        for h in range(2):
+            for m in range(4):
+                assert flat[blk, h, lay.k_code_offset(tok, m)] == kc[row, h, m]
+                assert flat[blk, h, lay.v_code_offset(tok, m)] == vc[row, h, m]
+    written = (flat != 0).sum().item()
+    assert written <= 2 * 2 * 4 * 2 and flat[0].eq(0).all()  # block 0 and slot -1 untouched
+
+
+@pytest.mark.parametrize("w", [0, 16, 32])
+def test_window_start(w):
+    pos = torch.arange(100)
+    ws = window_start(pos, w)
+    if w == 0:
+        assert torch.equal(ws, pos + 1)  # nothing at full precision
+    else:
+        assert torch.equal(ws, pos - pos % w)
+        assert ((pos - ws) < w).all() and (ws % w == 0).all()

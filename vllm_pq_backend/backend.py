@@ -1,0 +1,146 @@
+"""vLLM's view of the backend: what it supports and how big its KV pages are."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import ClassVar
+
+import torch
+from vllm.v1.attention.backend import AttentionBackend, AttentionType, MultipleOf
+from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
+
+from . import codebooks
+from .config import DEFAULT_BLOCK_SIZE, current_pq_config
+from .layout import BLOCK_ALIGN, PageLayout
+
+SUPPORTED_HEAD_SIZES = (64, 128, 256)
+
+
+def configured_m(head_size: int) -> int:
+    """M of the codebooks this engine will load (the file is the authority)."""
+    cfg = current_pq_config()
+    info = codebooks.read_info(cfg.codebook_file(head_size))
+    if cfg.m is not None and cfg.m != info.m:
+        raise codebooks.CodebookError(
+            f"PQ codebooks {info.path} have M={info.m}, configuration asks for M={cfg.m}. "
+            + codebooks.calibrate_hint(m=cfg.m)
+        )
+    return info.m
+
+
+class PQAttentionBackend(AttentionBackend):
+    accept_output_buffer: bool = True
+    forward_includes_kv_cache_update: bool = False
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "float16", "bfloat16"]
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"
+
+    @staticmethod
+    def get_impl_cls():
+        from .impl import PQAttentionImpl
+
+        return PQAttentionImpl
+
+    @staticmethod
+    def get_builder_cls():
+        from .metadata import PQMetadataBuilder
+
+        return PQMetadataBuilder
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return list(SUPPORTED_HEAD_SIZES)
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        # Blocks are never split into kernel blocks: V codes are transposed per page.
+        return [MultipleOf(BLOCK_ALIGN)]
+
+    @classmethod
+    def get_preferred_block_size(cls, default_block_size: int) -> int:
+        return DEFAULT_BLOCK_SIZE
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        # [layer][block][head][token][content]: one (block, head) region is contiguous.
+        return (KVCacheLayout.LBHNC,)
+
+    @classmethod
+    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
+        """A page holds only codes: 2M bytes per token and KV head."""
+        if spec.state_content_bytes is not None:
+            return spec
+        m = configured_m(spec.head_size)
+        return replace(
+            spec,
+            dtype=torch.uint8,
+            state_content_bytes=PageLayout(spec.block_size, m).state_bytes,
+        )
+
+    @classmethod
+    def validate_configuration(
+        cls,
+        head_size: int,
+        dtype: torch.dtype,
+        kv_cache_dtype: str | None,
+        block_size: int | None,
+        use_mla: bool,
+        has_sink: bool,
+        use_sparse: bool,
+        use_mm_prefix: bool,
+        device_capability=None,
+        attn_type: str = AttentionType.DECODER,
+        has_sliding_window: bool = False,
+        **features,
+    ) -> list[str]:
+        name = "The CUSTOM (PQ KV cache) backend"
+        reasons = []
+        if use_mla:
+            reasons.append(f"{name} does not support MLA models (it quantizes per-head K/V).")
+        if use_sparse:
+            reasons.append(f"{name} does not support sparse attention.")
+        if attn_type != AttentionType.DECODER:
+            reasons.append(
+                f"{name} supports decoder self-attention only, not {attn_type} attention."
+            )
+        if has_sliding_window:
+            reasons.append(
+                f"{name} does not support sliding-window layers yet; use FLASH_ATTN for "
+                "this model."
+            )
+        if has_sink:
+            reasons.append(f"{name} does not support attention sinks.")
+        if use_mm_prefix:
+            reasons.append(f"{name} does not support bidirectional multimodal prefixes.")
+        if head_size not in SUPPORTED_HEAD_SIZES:
+            reasons.append(
+                f"{name} supports head sizes {list(SUPPORTED_HEAD_SIZES)}, not {head_size}."
+            )
+        if dtype not in cls.supported_dtypes:
+            reasons.append(f"{name} needs float16 or bfloat16 activations, not {dtype}.")
+        if kv_cache_dtype not in (None, *cls.supported_kv_cache_dtypes):
+            reasons.append(
+                f"{name} stores its own 8-bit codes; use --kv-cache-dtype auto, not "
+                f"{kv_cache_dtype}."
+            )
+        if block_size is not None and block_size % BLOCK_ALIGN:
+            reasons.append(
+                f"{name} needs a KV block size that is a multiple of {BLOCK_ALIGN} "
+                f"(got {block_size}); omit --block-size to use {DEFAULT_BLOCK_SIZE}."
+            )
+        for flag, what in (
+            ("use_non_causal", "non-causal attention"),
+            ("use_batch_invariant", "batch invariance"),
+            ("use_kv_connector", "KV connectors (the pages hold PQ codes)"),
+            ("use_pcp", "prefill context parallelism"),
+            ("use_dcp", "decode context parallelism"),
+            ("use_rswa", "R-SWA"),
+            ("use_per_head_quant_scales", "per-head quantization scales"),
+            ("use_adaptive_verification", "adaptive speculative verification"),
+        ):
+            if features.get(flag):
+                reasons.append(f"{name} does not support {what}.")
+        return reasons

@@ -1,0 +1,101 @@
+"""How a user points the backend at its codebooks and picks M and the window.
+
+Precedence, highest first:
+  1. ``--additional-config '{"pq": {"codebooks": PATH, "m": 32, "window": 128}}'``
+     (``LLM(..., additional_config={"pq": {...}})``)
+  2. environment: ``VLLM_PQ_CODEBOOKS``, ``VLLM_PQ_M``, ``VLLM_PQ_WINDOW`` (handy for
+     lm-eval, whose ``--model_args`` cannot carry a JSON dict)
+  3. defaults: ``m = head_dim // 2`` (4 bits per element), codebooks at
+     ``<model dir>/pq_codebooks_m<M>.safetensors`` (where ``vllm_pq_backend.calibrate``
+     writes them), window = 128 tokens when the block size allows it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from .layout import BLOCK_ALIGN
+
+DEFAULT_WINDOW = 128
+DEFAULT_BLOCK_SIZE = 128
+ENV_CODEBOOKS = "VLLM_PQ_CODEBOOKS"
+ENV_M = "VLLM_PQ_M"
+ENV_WINDOW = "VLLM_PQ_WINDOW"
+_KEYS = {"codebooks", "m", "window"}
+
+
+def default_codebook_path(model_dir: str, m: int) -> str:
+    return os.path.join(model_dir, f"pq_codebooks_m{m}.safetensors")
+
+
+@dataclass(frozen=True)
+class PQConfig:
+    codebooks: str
+    m: int | None  # None: take it from the codebook file
+    window: int | None  # None: the default for the block size
+
+    @staticmethod
+    def from_sources(additional_config: dict | None, model: str | None) -> PQConfig:
+        user = dict((additional_config or {}).get("pq") or {})
+        unknown = set(user) - _KEYS
+        if unknown:
+            raise ValueError(
+                f"Unknown key(s) {sorted(unknown)} in additional_config['pq']; "
+                f"accepted: {sorted(_KEYS)}."
+            )
+
+        def pick(key, env, conv):
+            if user.get(key) is not None:
+                return conv(user[key])
+            if os.environ.get(env):
+                return conv(os.environ[env])
+            return None
+
+        m = pick("m", ENV_M, int)
+        window = pick("window", ENV_WINDOW, int)
+        path = pick("codebooks", ENV_CODEBOOKS, str)
+        if path is None:
+            if not model or not os.path.isdir(model):
+                raise ValueError(
+                    "vllm_pq_backend needs codebooks: the model is not a local folder, "
+                    "so give the file explicitly with --additional-config "
+                    "'{\"pq\": {\"codebooks\": \"/path/pq_codebooks.safetensors\"}}' or "
+                    f"{ENV_CODEBOOKS}=/path. Make one with "
+                    "`python -m vllm_pq_backend.calibrate --model DIR --text FILES`."
+                )
+            path = model  # resolved to the default file once head_dim is known
+        if m is not None and m <= 0:
+            raise ValueError(f"pq m must be positive, got {m}")
+        if window is not None and window < 0:
+            raise ValueError(f"pq window must be >= 0, got {window}")
+        return PQConfig(codebooks=path, m=m, window=window)
+
+    def codebook_file(self, head_dim: int) -> str:
+        if os.path.isdir(self.codebooks):
+            return default_codebook_path(self.codebooks, self.m or head_dim // 2)
+        return self.codebooks
+
+    def resolve_window(self, block_size: int) -> int:
+        """The window for this block size; W must divide B (see layout.py)."""
+        if self.window is None:
+            if block_size % DEFAULT_WINDOW == 0:
+                return DEFAULT_WINDOW
+            return block_size
+        w = self.window
+        if w and (block_size % w or w % 16):
+            raise ValueError(
+                f"pq window {w} must be a multiple of 16 that divides the KV block size "
+                f"{block_size} (so that prefix-cache hits never split a window); "
+                f"pick e.g. window={block_size} or --block-size {max(w, BLOCK_ALIGN)}."
+            )
+        return w
+
+
+def current_pq_config() -> PQConfig:
+    """The PQConfig of the running vLLM config (engine or worker process)."""
+    from vllm.config import get_current_vllm_config
+
+    vc = get_current_vllm_config()
+    model = vc.model_config.model if vc.model_config is not None else None
+    return PQConfig.from_sources(vc.additional_config, model)

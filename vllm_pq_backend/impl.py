@@ -1,0 +1,182 @@
+"""The attention impl: stores K/V as codes and attends through them."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from vllm.v1.attention.backend import AttentionImpl, AttentionLayer, AttentionType
+
+from . import codebooks, ops
+from .config import PQConfig, current_pq_config
+from .layout import PageLayout
+from .metadata import PQMetadata
+
+logger = logging.getLogger(__name__)
+
+
+class LayerState:
+    """One layer's codebooks, window store and decode workspace, on the layer's device."""
+
+    _workspaces: dict = {}  # shared by all layers of a process: (device, Hq, d) -> buffers
+
+    def __init__(self, layer_index: int, impl: PQAttentionImpl, device, dtype):
+        info = impl.codebook_info
+        start = impl.kv_head_offset(info.num_kv_heads)
+        k32, v32 = codebooks.load_layer(
+            info, layer_index, slice(start, start + impl.num_kv_heads)
+        )
+        self.k_cb32, self.v_cb32 = k32.to(device), v32.to(device)  # encode: fp32
+        self.k_cb, self.v_cb = self.k_cb32.to(dtype), self.v_cb32.to(dtype)  # attend
+        self.layout = PageLayout(impl.block_size, info.m)
+        self.window = impl.window
+        self.max_reqs = impl.max_num_seqs
+        self.win_k = self.win_v = None
+        if self.window > 0:
+            shape = (impl.max_num_seqs, impl.num_kv_heads, self.window, impl.head_size)
+            self.win_k = torch.zeros(shape, dtype=dtype, device=device)
+            self.win_v = torch.zeros(shape, dtype=dtype, device=device)
+        self.hq, self.d, self.device = impl.num_heads, impl.head_size, device
+
+    def workspace(self, n: int, hq: int, splits: int):
+        key = (str(self.device), hq, self.d)
+        ws = LayerState._workspaces.get(key)
+        if ws is None:
+            rows = self.max_reqs * (ops.MAX_SPLITS + 1)
+            ws = (
+                torch.empty(rows * hq * self.d, dtype=torch.float32, device=self.device),
+                torch.empty(rows * hq, dtype=torch.float32, device=self.device),
+            )
+            LayerState._workspaces[key] = ws
+        o, lse = ws
+        return o[: n * hq * splits * self.d], lse[: n * hq * splits]
+
+
+class PQAttentionImpl(AttentionImpl[PQMetadata]):
+    can_return_lse_for_decode = False
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        **kwargs,
+    ) -> None:
+        unsupported = {
+            "ALiBi": alibi_slopes is not None,
+            "sliding-window attention": sliding_window is not None,
+            "logits soft-capping": bool(logits_soft_cap),
+            f"attention type {attn_type}": attn_type != AttentionType.DECODER,
+            "cross-layer KV sharing": kv_sharing_target_layer_name is not None,
+            "attention sinks": kwargs.get("sinks") is not None,
+        }
+        bad = [name for name, on in unsupported.items() if on]
+        if bad:
+            raise NotImplementedError(f"The CUSTOM (PQ) backend does not support {', '.join(bad)}.")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.kv_cache_dtype = kv_cache_dtype
+
+        from vllm.config import get_current_vllm_config
+
+        vc = get_current_vllm_config()
+        self.cfg: PQConfig = current_pq_config()
+        self.codebook_info = codebooks.read_info(self.cfg.codebook_file(head_size))
+        codebooks.validate(
+            self.codebook_info, vc.model_config.hf_config, self.cfg.m, vc.model_config.model
+        )
+        # vLLM settles the block size after the model is built: read it when first used.
+        self._cache_config = vc.cache_config
+        self.max_num_seqs = vc.scheduler_config.max_num_seqs
+        self.tp_rank, self.tp_size = _tp_rank_size()
+        self._state: LayerState | None = None
+
+    def kv_head_offset(self, total_kv_heads: int) -> int:
+        """First global KV head of this tensor-parallel rank (vLLM's split/replication)."""
+        if total_kv_heads >= self.tp_size:
+            return self.tp_rank * self.num_kv_heads
+        return self.tp_rank * total_kv_heads // self.tp_size
+
+    def state(self, layer: AttentionLayer, like: torch.Tensor) -> LayerState:
+        if self._state is None:
+            from vllm.model_executor.models.utils import extract_layer_index
+
+            index = extract_layer_index(layer.layer_name)
+            self.block_size = self._cache_config.block_size
+            self.window = self.cfg.resolve_window(self.block_size)
+            self._state = LayerState(index, self, like.device, like.dtype)
+            if index == 0:
+                _log_memory(self, self._state)
+        return self._state
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        if kv_cache.numel() == 0:
+            return
+        st = self.state(layer, key)
+        n = slot_mapping.shape[0]
+        ops.store(kv_cache, key[:n], value[:n], slot_mapping, st)
+
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: PQMetadata,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("The CUSTOM (PQ) backend has no fused output quantization.")
+        st = self.state(layer, query)  # the profiling run allocates here, before KV sizing
+        md = attn_metadata
+        if md is None:
+            return output.zero_()
+        n = md.num_actual_tokens
+        out = output[:n]
+        if md.num_decodes:
+            ops.decode(out, query[:n], key[:n], value[:n], kv_cache, md, st, self.scale)
+        if md.num_prefills:
+            ops.prefill(out, query[:n], key[:n], value[:n], kv_cache, md, st, self.scale)
+        return output
+
+
+def _tp_rank_size() -> tuple[int, int]:
+    try:
+        from vllm.distributed import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
+
+        return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+    except (AssertionError, ImportError):  # no distributed context (unit tests)
+        return 0, 1
+
+
+def _log_memory(impl: PQAttentionImpl, st: LayerState) -> None:
+    layers = impl.codebook_info.num_layers
+    esz = 2  # fp16 / bf16
+    per_token = 2 * impl.num_kv_heads * st.layout.m * layers
+    dense = 2 * impl.num_kv_heads * impl.head_size * esz * layers
+    win_seq = 2 * impl.num_kv_heads * st.window * impl.head_size * esz * layers
+    books = 2 * st.k_cb32.numel() * (4 + esz) * layers
+    logger.info(
+        "vllm_pq_backend: M=%d, block %d, window %d, %d layers. KV pages: %d B/token "
+        "(dense %s: %d B/token, %.1fx less). Window: %.2f MiB per running sequence, "
+        "%.1f MiB for max_num_seqs=%d, allocated before the KV cache is sized. "
+        "Codebooks: %.1f MiB.",
+        st.layout.m, impl.block_size, st.window, layers, per_token, st.k_cb.dtype,
+        dense, dense / per_token, win_seq / 2**20, win_seq * impl.max_num_seqs / 2**20,
+        impl.max_num_seqs, books / 2**20,
+    )

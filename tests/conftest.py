@@ -1,6 +1,9 @@
 import os
 
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 

@@ -87,7 +87,8 @@ class Sim:
     """One attention layer of a model served by vLLM: requests come and go, each step
     builds CommonAttentionMetadata (decodes first), stores K/V, then attends."""
 
-    def __init__(self, vc, *, num_blocks=64, layer_index=0, seed=0, dtype=torch.float32):
+    def __init__(self, vc, *, num_blocks=64, layer_index=0, seed=0, dtype=torch.float32,
+                 device="cpu"):
         from vllm.config import set_current_vllm_config
         from vllm.v1.kv_cache_interface import FullAttentionSpec
 
@@ -101,6 +102,7 @@ class Sim:
         self.B = vc.cache_config.block_size
         self.seed = seed
         self.dtype = dtype
+        self.dev = torch.device(device)
         with set_current_vllm_config(vc):
             spec = PQAttentionBackend.customize_spec(
                 FullAttentionSpec(
@@ -112,12 +114,13 @@ class Sim:
                 self.hq, self.d, self.d**-0.5, self.hkv
             )
             self.builder = PQAttentionBackend.get_builder_cls()(
-                spec, ["layer"], vc, torch.device("cpu")
+                spec, ["layer"], vc, self.dev
             )
         self.spec = spec
         self.layer = types.SimpleNamespace(layer_name=f"model.layers.{layer_index}.self_attn.attn")
         self.kv_cache = torch.zeros(
-            num_blocks, self.hkv, self.B, spec.state_content_bytes, dtype=torch.uint8
+            num_blocks, self.hkv, self.B, spec.state_content_bytes, dtype=torch.uint8,
+            device=self.dev,
         )
         self.free_blocks = list(np.random.default_rng(seed).permutation(np.arange(1, num_blocks)))
         self.free_rows = list(range(vc.scheduler_config.max_num_seqs))[::-1]
@@ -130,7 +133,7 @@ class Sim:
         r = Request(rid, self.free_rows.pop(), list(shared_blocks))
         g = torch.Generator().manual_seed(self.seed * 1000 + rid)
         r.source = [
-            torch.randn(max_len, h, self.d, generator=g).to(self.dtype)
+            torch.randn(max_len, h, self.d, generator=g).to(self.dev, self.dtype)
             for h in (self.hq, self.hkv, self.hkv)
         ]
         self.reqs[rid] = r
@@ -167,11 +170,12 @@ class Sim:
             rows.append(r.row)
         qsl_t = torch.tensor(qsl, dtype=torch.int32)
         seq_t = torch.tensor(seq, dtype=torch.int32)
+        dev = self.dev
         cam = CommonAttentionMetadata(
-            query_start_loc=qsl_t, query_start_loc_cpu=qsl_t, seq_lens=seq_t,
+            query_start_loc=qsl_t.to(dev), query_start_loc_cpu=qsl_t, seq_lens=seq_t.to(dev),
             num_reqs=len(work), num_actual_tokens=qsl[-1], max_query_len=max(n for _, n in work),
-            max_seq_len=max(seq), block_table_tensor=table,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            max_seq_len=max(seq), block_table_tensor=table.to(dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             seq_lens_cpu_upper_bound=seq_t, req_idx=np.array(rows),
         )
         md = self.builder.build(0, cam)
@@ -193,7 +197,7 @@ class Sim:
         k_hat = decode_codes(encode(k, st.k_cb32), st.k_cb32)
         v_hat = decode_codes(encode(v, st.v_cb32), st.v_cb32)
         n = k.shape[0]
-        pos = torch.arange(n)
+        pos = torch.arange(n, device=k.device)
         ws = window_start(pos, window)
         g = self.hq // self.hkv
         outs = []

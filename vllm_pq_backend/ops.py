@@ -19,7 +19,7 @@ MAX_SPLITS = 16  # codes splits per (request, KV head); the window adds one more
 @functools.cache
 def kernels_available() -> bool:
     try:
-        from . import _C  # noqa: F401
+        from . import _C  # noqa: F401  (registers torch.ops.pq_backend.*)
     except ImportError as e:
         if torch.cuda.is_available():
             logger.warning(
@@ -29,6 +29,9 @@ def kernels_available() -> bool:
                 e,
             )
         return False
+    # Shapes for torch.compile / meta tensors: both ops only write into their arguments.
+    for name in ("store", "decode"):
+        torch.library.register_fake(f"pq_backend::{name}")(lambda *args, **kwargs: None)
     return True
 
 
@@ -53,15 +56,20 @@ def _flash_attn():
     return flash_attn_varlen_func, get_flash_attn_version
 
 
-def num_splits_for(num_decodes: int, work_per_split: int, num_sms: int) -> int:
-    """Codes splits per (request, KV head group): enough CTAs for about one wave.
+def num_splits_for(num_decodes: int, ctas_per_split: int, num_sms: int) -> int:
+    """Codes splits per (request, KV head group), from the batch alone (so a CUDA graph
+    captured for a batch size is right for any context; empty splits exit early).
 
-    Depends on the batch only (not on context lengths), so a CUDA graph captured for a
-    batch size is right for any context; empty splits exit early."""
-    if num_decodes == 0:
-        return 1
-    want = -(-num_sms // max(1, num_decodes * work_per_split))
-    return max(1, min(MAX_SPLITS, want))
+    The kernel runs one CTA per SM (its codebooks fill shared memory), so pick the split
+    count whose CTAs fill whole waves best, the fewest on ties (each split reloads the
+    codebooks): 8 (request, head) pairs on 132 SMs -> 16 splits, 64 -> 2, 256 -> 1."""
+    pairs = max(1, num_decodes * ctas_per_split)
+
+    def fill(s: int) -> float:
+        ctas = pairs * s
+        return ctas / (-(-ctas // num_sms) * num_sms)
+
+    return max(range(1, MAX_SPLITS + 1), key=lambda s: (round(fill(s), 1), -s))
 
 
 # --------------------------------------------------------------------------- store

@@ -1,0 +1,65 @@
+// Decode entry point: picks the (dtype, head_dim, M) instantiation, then merges the
+// split results by their log-sum-exp. The instantiations live in generated units
+// (csrc/gen_units.py) so that they compile in parallel.
+#include <math_constants.h>
+
+#include "pq_common.cuh"
+
+namespace pq {
+
+template <typename T, int D, int M>
+cudaError_t launch_decode(const DecodeArgs& a, cudaStream_t stream);
+
+namespace {
+
+// out[req, head] = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max), skipping empty splits.
+template <typename T>
+__global__ void reduce_kernel(DecodeArgs a) {
+  const int req = blockIdx.x, head = blockIdx.y, slots = a.num_splits + 1, d = a.head_dim;
+  const int64_t base = ((int64_t)req * a.num_heads + head) * slots;
+  const float* lse = a.ws_lse + base;
+  float mx = -CUDART_INF_F;
+  for (int s = 0; s < slots; ++s) mx = fmaxf(mx, lse[s]);
+  T* out = static_cast<T*>(a.out) + req * a.out_stride + (int64_t)head * d;
+  for (int dim = threadIdx.x; dim < d; dim += blockDim.x) {
+    float num = 0.f, den = 0.f;
+    if (mx != -CUDART_INF_F) {
+      for (int s = 0; s < slots; ++s) {
+        if (lse[s] == -CUDART_INF_F) continue;  // nothing written there
+        const float w = exp2f(lse[s] - mx);
+        num += w * a.ws_o[(base + s) * d + dim];
+        den += w;
+      }
+    }
+    out[dim] = Elem<T>::from_float(den > 0.f ? num / den : 0.f);
+  }
+}
+
+template <typename T>
+cudaError_t decode_typed(const DecodeArgs& a, cudaStream_t stream) {
+  const int key = a.head_dim * 1000 + a.m;
+  cudaError_t err;
+  switch (key) {
+#define PQ_CASE(D, M) \
+  case D * 1000 + M: err = launch_decode<T, D, M>(a, stream); break;
+    PQ_CASE(64, 8) PQ_CASE(64, 16) PQ_CASE(64, 32)
+    PQ_CASE(128, 16) PQ_CASE(128, 32) PQ_CASE(128, 64)
+    PQ_CASE(256, 32) PQ_CASE(256, 64) PQ_CASE(256, 128)
+#undef PQ_CASE
+    default: return cudaErrorInvalidValue;
+  }
+  if (err != cudaSuccess) return err;
+  reduce_kernel<T><<<dim3(a.num_reqs, a.num_heads), 128, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t decode(const DecodeArgs& a, cudaStream_t stream) {
+  if (a.num_reqs == 0) return cudaSuccess;
+  if (a.num_heads % a.num_kv_heads || a.pages.block_size % 32) return cudaErrorInvalidValue;
+  return a.dtype == DType::kBFloat16 ? decode_typed<__nv_bfloat16>(a, stream)
+                                     : decode_typed<__half>(a, stream);
+}
+
+}  // namespace pq

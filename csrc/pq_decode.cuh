@@ -1,0 +1,364 @@
+// Split-K decode attention over PQ codes (flash-decoding), GQA-aware, on tensor cores.
+//
+// CTA = (split, KV head x group of <= 8 query heads, request); 8 warps, each taking
+// 32-token chunks of the split. The codes of a KV head are read once for all its query
+// heads: scores are S = K^ Q^T with K^ dequantized from the shared-memory codebook
+// straight into mma.m16n8k16 A fragments (16 tokens x 16 dims, 8 query heads as N), and
+// O^T += V^T P with V^ dequantized into A fragments through the transposed V page layout.
+//
+// Fragment bookkeeping (lane = 4 r + c):
+// * Head dims are permuted for Q.K (a sum over dims): in k-step j thread c holds logical
+//   dims c*D/4 + 4j + {0..3}, i.e. whole subspaces c*M/4 .. of one token, read with one
+//   vector load of its M/4 codes.
+// * Tokens are permuted inside a 32-token chunk (a sum over tokens): PV k-index kk of
+//   half h is token 8*(kk%8/2) + 4h + 2*(kk/8) + kk%2, so a thread's PV columns are 4
+//   consecutive tokens: one 32-bit load of V codes per owned subspace (8q + r).
+// * Output dims are permuted back at the end: tile (q, u) rows r / r+8 are dims
+//   (8q + r) * D/M + 2u + {0, 1}.
+// Scores go through exp2 with scale*log2(e); partial results are normalized with their
+// log2-sum-exp and merged by reduce_kernel. The window slot (index num_splits) reads the
+// full-precision window store instead of codes.
+#pragma once
+
+#include <math_constants.h>
+
+#include <type_traits>
+
+#include "pq_common.cuh"
+
+namespace pq {
+
+constexpr int kDecodeWarps = 8;
+constexpr int kDecodeThreads = 32 * kDecodeWarps;
+constexpr int kChunk = 32;
+constexpr int kHeadsPerCta = 8;
+constexpr float kLog2e = 1.4426950408889634f;
+
+template <typename T, int D, int M>
+struct DecodeCfg {
+  static constexpr int DS = D / M;    // dims per subspace
+  static constexpr int KQ = D / 4;    // K dims per lane quarter
+  static constexpr int KW = KQ / 2;   // 32-bit words per token for K
+  static constexpr int MQ = M / 4;    // K subspaces (code bytes) per lane quarter
+  static constexpr int VSUB = M / 8;  // V subspaces owned per lane (8q + r)
+  static constexpr int DW = DS / 2;   // words per centroid
+  static constexpr int NT = D / 16;   // m16 tiles of output dims
+  static constexpr bool kCbSmem = D <= 128;
+  static constexpr bool kPrefetch = D <= 128;
+  static constexpr int kCbBytes = 2 * kCentroids * D * (int)sizeof(T);
+  static constexpr int kRedBytes = kDecodeWarps * kHeadsPerCta * (D + 2) * (int)sizeof(float);
+  static constexpr int kSmem = (kCbSmem && kCbBytes > kRedBytes) ? kCbBytes : kRedBytes;
+  static_assert(DS >= 2 && DS <= 8 && D % 16 == 0 && M % 8 == 0, "unsupported D/M");
+  static_assert(VSUB * DW == NT, "tiles");
+};
+
+// Shared-memory codebook layouts, in centroids ("units" of DS elements). Random codes
+// make lookups land on random banks; confining the lanes that look up together to a few
+// banks lowers the expected conflict degree. K: lane quarter c reads subspaces c*M/4 ..,
+// so quarter c gets a quarter of each 128-byte row. V (DS = 2 only): lane row r reads
+// subspaces 8q + r, so r gets an eighth. Both are permutations of [subspace][code].
+template <class C>
+__device__ __forceinline__ int k_unit(int sub, int code) {
+  constexpr int row_units = 32 / C::DW, g = row_units / 4;
+  return ((sub % C::MQ) * (kCentroids / g) + code / g) * row_units + (sub / C::MQ) * g + code % g;
+}
+
+template <class C>
+__device__ __forceinline__ int v_unit(int sub, int code) {
+  if constexpr (C::DW > 1) {
+    return sub * kCentroids + code;
+  } else {
+    constexpr int g = 4;  // 32 units a row, 8 groups
+    return ((sub / 8) * (kCentroids / g) + code / g) * 32 + (sub % 8) * g + code % g;
+  }
+}
+
+// The code bytes a lane needs for one 32-token chunk.
+template <class C>
+struct ChunkCodes {
+  uint32_t k[2][2][(C::MQ + 3) / 4];  // [half][row r | r+8][bytes]
+  uint32_t v[2][C::VSUB];             // [half][owned subspace]: tokens 8c+4h .. +3
+};
+
+__device__ __forceinline__ int k_token(int half, int r) { return 8 * (r >> 1) + 4 * half + (r & 1); }
+
+template <typename T, int D, int M>
+struct DecodeCta {
+  using C = DecodeCfg<T, D, M>;
+  const DecodeArgs& a;
+  int req, hkv, r, c;
+  const int32_t* bt;
+  const T* kcb;  // this head's codebooks, [M][256][DS]
+  const T* vcb;
+  const T* wk;   // this request's window rows [W][D]
+  const T* wv;
+  int win_base;  // position of window slot 0
+
+  __device__ const uint8_t* region(int t0) const {
+    const int page = bt[t0 / a.pages.block_size];
+    return a.pages.base + (int64_t)page * a.pages.block_stride + (int64_t)hkv * a.pages.head_stride;
+  }
+
+  __device__ void load_codes(int t0, ChunkCodes<C>& cc) const {
+    const uint8_t* reg = region(t0);
+    const int off0 = t0 % a.pages.block_size;
+    const PageLayout& L = a.pages.lay;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int tok = off0 + k_token(h, r) + 2 * e;
+        load_bytes<C::MQ>(reg + L.k_off + tok * L.k_tok + c * C::MQ, cc.k[h][e]);
+      }
+#pragma unroll
+      for (int q = 0; q < C::VSUB; ++q)
+        cc.v[h][q] = *reinterpret_cast<const uint32_t*>(
+            reg + L.v_off + (8 * q + r) * L.v_sub + off0 + 8 * c + 4 * h);
+    }
+  }
+
+  // K of one token, this lane's quarter of the dims, as packed pairs.
+  template <bool WIN>
+  __device__ void fetch_k(const ChunkCodes<C>& cc, int h, int e, int pos, uint32_t (&w)[C::KW]) const {
+    if constexpr (WIN) {
+      load_words<C::KW>(wk + (int64_t)win_slot(pos) * D + c * C::KQ, w);
+    } else {
+#pragma unroll
+      for (int mm = 0; mm < C::MQ; ++mm) {
+        const int code = byte_of(cc.k[h][e], mm);
+        uint32_t cw[C::DW];
+        const int sub = c * C::MQ + mm;
+        load_words<C::DW>(kcb + (C::kCbSmem ? k_unit<C>(sub, code) : sub * kCentroids + code) * C::DS, cw);
+#pragma unroll
+        for (int u = 0; u < C::DW; ++u) w[mm * C::DW + u] = cw[u];
+      }
+    }
+  }
+
+  // V of token `pos` in owned subspace q (dims (8q + r) * DS ..).
+  template <bool WIN>
+  __device__ void fetch_v(const ChunkCodes<C>& cc, int h, int q, int k, int pos, uint32_t (&w)[C::DW]) const {
+    const int s = 8 * q + r;
+    if constexpr (WIN) {
+      load_words<C::DW>(wv + (int64_t)win_slot(pos) * D + s * C::DS, w);
+    } else {
+      const int code = (cc.v[h][q] >> (8 * k)) & 0xff;
+      load_words<C::DW>(vcb + (C::kCbSmem ? v_unit<C>(s, code) : s * kCentroids + code) * C::DS, w);
+    }
+  }
+
+  __device__ int win_slot(int pos) const {
+    const int slot = pos - win_base;
+    return (slot >= 0 && slot < a.window) ? slot : 0;  // out-of-range rows are masked
+  }
+};
+
+template <typename T, int D, int M>
+__global__ void __launch_bounds__(kDecodeThreads, 1) decode_kernel(DecodeArgs a) {
+  using C = DecodeCfg<T, D, M>;
+  extern __shared__ __align__(16) uint8_t smem[];
+  const int group = a.num_heads / a.num_kv_heads;
+  const int hgroups = ceil_div(group, kHeadsPerCta);
+  const int slot = blockIdx.x, req = blockIdx.z;
+  const int hkv = blockIdx.y / hgroups, hg = blockIdx.y % hgroups;
+  const int h0 = hkv * group + hg * kHeadsPerCta;
+  const int nh = min(kHeadsPerCta, group - hg * kHeadsPerCta);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int r = lane >> 2, c = lane & 3;
+  const int slots = a.num_splits + 1;
+  const bool is_win = slot == a.num_splits;
+
+  // Which keys this CTA reads: codes [0, n_codes) split evenly in 32-token multiples,
+  // or the window [n_codes, L) (layout.window_start of the query at L - 1).
+  const int len = a.seq_lens[req];
+  const int n_codes = a.window > 0 ? ((len - 1) / a.window) * a.window : len;
+  int t_begin = 0, t_end = 0;
+  if (len > 0) {
+    if (is_win) {
+      t_begin = n_codes, t_end = len;
+    } else {
+      const int per = ceil_div(ceil_div(n_codes, a.num_splits), kChunk) * kChunk;
+      t_begin = min(slot * per, n_codes), t_end = min(t_begin + per, n_codes);
+    }
+  }
+  float* lse_out = a.ws_lse + ((int64_t)req * a.num_heads + h0) * slots + slot;
+  if (t_begin >= t_end) {
+    if (threadIdx.x < nh) lse_out[threadIdx.x * slots] = -CUDART_INF_F;
+    return;
+  }
+
+  DecodeCta<T, D, M> cta{a, req, hkv, r, c, a.block_table + (int64_t)req * a.bt_stride,
+                         static_cast<const T*>(a.k_cb) + (int64_t)hkv * kCentroids * D,
+                         static_cast<const T*>(a.v_cb) + (int64_t)hkv * kCentroids * D,
+                         nullptr, nullptr, n_codes};
+  if (is_win) {
+    const int64_t row = ((int64_t)a.rows[req] * a.num_kv_heads + hkv) * a.window * D;
+    cta.wk = static_cast<const T*>(a.win_k) + row;
+    cta.wv = static_cast<const T*>(a.win_v) + row;
+  } else if constexpr (C::kCbSmem) {
+    T* s = reinterpret_cast<T*>(smem);
+    for (int u = threadIdx.x; u < M * kCentroids; u += kDecodeThreads) {
+      uint32_t w[C::DW];
+      load_words<C::DW>(cta.kcb + u * C::DS, w);
+      store_words<C::DW>(s + k_unit<C>(u / kCentroids, u % kCentroids) * C::DS, w);
+      load_words<C::DW>(cta.vcb + u * C::DS, w);
+      store_words<C::DW>(s + kCentroids * D + v_unit<C>(u / kCentroids, u % kCentroids) * C::DS, w);
+    }
+    cta.kcb = s, cta.vcb = s + kCentroids * D;
+    __syncthreads();
+  }
+
+  // Q^T as B fragments: head h0 + r, this lane's dims c*D/4 .. (zero for absent heads).
+  uint32_t qf[C::KW];
+  if (r < nh) {
+    load_words<C::KW>(static_cast<const T*>(a.q) + req * a.q_stride + (int64_t)(h0 + r) * D + c * C::KQ, qf);
+  } else {
+#pragma unroll
+    for (int i = 0; i < C::KW; ++i) qf[i] = 0u;
+  }
+  const float scale = a.scale * kLog2e;
+
+  float o[C::NT][4];
+#pragma unroll
+  for (int i = 0; i < C::NT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  float m_run[2] = {-CUDART_INF_F, -CUDART_INF_F}, l_run[2] = {0.f, 0.f};
+
+  auto chunk = [&](auto win_tag, int t0, const ChunkCodes<C>& cc) {
+    constexpr bool WIN = decltype(win_tag)::value;
+    float s[2][4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int pa = t0 + k_token(h, r), pb = pa + 2;
+      uint32_t ka[C::KW], kb[C::KW];
+      cta.template fetch_k<WIN>(cc, h, 0, pa, ka);
+      cta.template fetch_k<WIN>(cc, h, 1, pb, kb);
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int j = 0; j < D / 16; ++j) {
+        const uint32_t fa[4] = {ka[2 * j], kb[2 * j], ka[2 * j + 1], kb[2 * j + 1]};
+        Elem<T>::mma(acc, fa, qf[2 * j], qf[2 * j + 1]);
+      }
+      const bool va = pa >= t_begin && pa < t_end, vb = pb >= t_begin && pb < t_end;
+      s[h][0] = va ? acc[0] * scale : -CUDART_INF_F;
+      s[h][1] = va ? acc[1] * scale : -CUDART_INF_F;
+      s[h][2] = vb ? acc[2] * scale : -CUDART_INF_F;
+      s[h][3] = vb ? acc[3] * scale : -CUDART_INF_F;
+    }
+    // Online softmax for this lane's heads 2c (e = 0) and 2c + 1 (e = 1).
+    float p[2][4];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float mx = fmaxf(fmaxf(s[0][e], s[0][e + 2]), fmaxf(s[1][e], s[1][e + 2]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+      const float m_new = fmaxf(m_run[e], mx);
+      const float m_use = m_new == -CUDART_INF_F ? 0.f : m_new;
+      const float alpha = exp2f(m_run[e] - m_use);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        p[h][e] = exp2f(s[h][e] - m_use);
+        p[h][e + 2] = exp2f(s[h][e + 2] - m_use);
+      }
+      l_run[e] = l_run[e] * alpha + (p[0][e] + p[0][e + 2]) + (p[1][e] + p[1][e + 2]);
+#pragma unroll
+      for (int i = 0; i < C::NT; ++i) o[i][e] *= alpha, o[i][e + 2] *= alpha;
+      m_run[e] = m_new;
+    }
+    // O^T += V^T P per half: P^T fragments by transposing the score fragments.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t pb0 = movmatrix_trans(Elem<T>::pack(p[h][0], p[h][1]));
+      const uint32_t pb1 = movmatrix_trans(Elem<T>::pack(p[h][2], p[h][3]));
+      const int tv = t0 + 8 * c + 4 * h;
+#pragma unroll
+      for (int q = 0; q < C::VSUB; ++q) {
+        uint32_t v[4][C::DW];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) cta.template fetch_v<WIN>(cc, h, q, k, tv + k, v[k]);
+#pragma unroll
+        for (int u = 0; u < C::DW; ++u) {
+          const uint32_t fa[4] = {__byte_perm(v[0][u], v[1][u], 0x5410), __byte_perm(v[0][u], v[1][u], 0x7632),
+                                  __byte_perm(v[2][u], v[3][u], 0x5410), __byte_perm(v[2][u], v[3][u], 0x7632)};
+          Elem<T>::mma(o[q * C::DW + u], fa, pb0, pb1);
+        }
+      }
+    }
+  };
+
+  constexpr int stride = kDecodeWarps * kChunk;
+  if (is_win) {
+    ChunkCodes<C> none;
+    for (int t0 = n_codes + warp * kChunk; t0 < t_end; t0 += stride)
+      chunk(std::true_type{}, t0, none);
+  } else {
+    int t0 = (t_begin / kChunk) * kChunk + warp * kChunk;
+    ChunkCodes<C> cur, nxt;
+    if (t0 < t_end) cta.load_codes(t0, cur);
+    for (; t0 < t_end; t0 += stride) {
+      if constexpr (C::kPrefetch) {
+        if (t0 + stride < t_end) cta.load_codes(t0 + stride, nxt);
+        chunk(std::false_type{}, t0, cur);
+        cur = nxt;
+      } else {
+        chunk(std::false_type{}, t0, cur);
+        if (t0 + stride < t_end) cta.load_codes(t0 + stride, cur);
+      }
+    }
+  }
+
+  // Combine the 8 warps: each lane's l covers its rows only; sum over r.
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    l_run[e] += __shfl_xor_sync(0xffffffffu, l_run[e], 4);
+    l_run[e] += __shfl_xor_sync(0xffffffffu, l_run[e], 8);
+    l_run[e] += __shfl_xor_sync(0xffffffffu, l_run[e], 16);
+  }
+  __syncthreads();  // codebook reads are over: reuse shared memory
+  float* red = reinterpret_cast<float*>(smem);  // [warp][head][D + 2]
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    float* dst = red + (warp * kHeadsPerCta + 2 * c + e) * (D + 2);
+#pragma unroll
+    for (int i = 0; i < C::NT; ++i) {
+      const int dim = (8 * (i / C::DW) + r) * C::DS + 2 * (i % C::DW);
+      dst[dim] = o[i][e];
+      dst[dim + 1] = o[i][e + 2];
+    }
+    if (r == 0) dst[D] = m_run[e], dst[D + 1] = l_run[e];
+  }
+  __syncthreads();
+  float* o_out = a.ws_o + (((int64_t)req * a.num_heads + h0) * slots + slot) * D;
+  for (int idx = threadIdx.x; idx < nh * D; idx += kDecodeThreads) {
+    const int head = idx / D, dim = idx % D;
+    float mstar = -CUDART_INF_F;
+#pragma unroll
+    for (int w = 0; w < kDecodeWarps; ++w) mstar = fmaxf(mstar, red[(w * kHeadsPerCta + head) * (D + 2) + D]);
+    float num = 0.f, den = 0.f;
+    if (mstar != -CUDART_INF_F) {
+#pragma unroll
+      for (int w = 0; w < kDecodeWarps; ++w) {
+        const float* src = red + (w * kHeadsPerCta + head) * (D + 2);
+        const float f = exp2f(src[D] - mstar);
+        num += f * src[dim];
+        den += f * src[D + 1];
+      }
+    }
+    o_out[(int64_t)head * slots * D + dim] = den > 0.f ? num / den : 0.f;
+    if (dim == 0) lse_out[head * slots] = den > 0.f ? mstar + log2f(den) : -CUDART_INF_F;
+  }
+}
+
+template <typename T, int D, int M>
+cudaError_t launch_decode(const DecodeArgs& a, cudaStream_t stream) {
+  using C = DecodeCfg<T, D, M>;
+  static const cudaError_t attr = cudaFuncSetAttribute(
+      decode_kernel<T, D, M>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
+  if (attr != cudaSuccess) return attr;
+  const int group = a.num_heads / a.num_kv_heads;
+  dim3 grid(a.num_splits + 1, a.num_kv_heads * ceil_div(group, kHeadsPerCta), a.num_reqs);
+  decode_kernel<T, D, M><<<grid, kDecodeThreads, C::kSmem, stream>>>(a);
+  return cudaGetLastError();
+}
+
+}  // namespace pq

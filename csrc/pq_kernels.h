@@ -1,0 +1,65 @@
+// Torch-free interface of the PQ KV-cache kernels (raw pointers, cudaStream_t), so the
+// CUDA sources compile with plain nvcc; csrc/pq_binding.cpp adapts torch tensors to it.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <cstdint>
+
+namespace pq {
+
+// Byte layout inside one (block, KV head) region of a page, filled from
+// vllm_pq_backend/layout.py (PageLayout.kernel_args): K code `m` of token `t` is at
+// k_off + t * k_tok + m; V code `m` of token `t` is at v_off + m * v_sub + t.
+struct PageLayout {
+  int k_off, k_tok, v_off, v_sub;
+};
+
+enum class DType { kFloat16 = 0, kBFloat16 = 1 };
+
+struct Pages {
+  uint8_t* base;         // layer view [blocks][kv_heads][B][2M]
+  int64_t block_stride;  // bytes
+  int64_t head_stride;   // bytes
+  int block_size;
+  PageLayout lay;
+};
+
+struct StoreArgs {
+  Pages pages;
+  const void* key;  // [n, kv_heads, D] (activation dtype), row stride below
+  const void* value;
+  int64_t key_stride, value_stride;  // elements between tokens
+  const int64_t* slot_mapping;  // [n], -1 = padding
+  const float* k_cb;            // [kv_heads, M, 256, D/M]
+  const float* v_cb;
+  int num_tokens, num_kv_heads, head_dim, m;
+  DType dtype;
+};
+
+struct DecodeArgs {
+  Pages pages;
+  const void* q;  // [R, Hq, D]
+  int64_t q_stride;  // elements between requests (heads are contiguous)
+  void* out;      // [R, Hq, D]
+  int64_t out_stride;
+  const int32_t* block_table;
+  int64_t bt_stride;
+  const int32_t* seq_lens;  // [R], context length including the query token
+  const void* k_cb;         // [kv_heads, M, 256, D/M] activation dtype
+  const void* v_cb;
+  const void* win_k;        // [rows, kv_heads, W, D] or null
+  const void* win_v;
+  const int32_t* rows;      // [R] window row of each request, or null
+  int window;
+  int num_reqs, num_heads, num_kv_heads, head_dim, m;
+  int num_splits;  // codes splits; one more slot holds the window
+  float scale;
+  float* ws_o;    // [R, Hq, num_splits + 1, D]
+  float* ws_lse;  // [R, Hq, num_splits + 1] (log2 domain)
+  DType dtype;
+};
+
+cudaError_t store(const StoreArgs& a, cudaStream_t stream);
+cudaError_t decode(const DecodeArgs& a, cudaStream_t stream);
+
+}  // namespace pq

@@ -1,0 +1,199 @@
+"""Decode attention side by side at Llama-3-8B shapes (32 query heads, 8 KV heads, d=128):
+CUSTOM (PQ CUDA kernels, window 128) vs FA3 paged decode (vllm_flash_attn, bf16 K/V,
+pages of 16 and 128 tokens, the faster reported) vs TURBOQUANT 4bit_nc decode (Triton),
+with a device-to-device copy measured in the same run as the bandwidth ceiling.
+
+Each kernel is captured in a CUDA graph (as vLLM serves decode) and timed with CUDA
+events after warm-up; inputs rotate across copies so that small cases are not served
+from L2. Random data everywhere (no zeros).
+
+    python eval/bench_decode.py --out eval/results/decode_kernel.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import statistics
+import sys
+
+import torch
+
+HQ, HKV, D = 32, 8, 128
+WINDOW, PQ_BLOCK = 128, 128
+L2_FLUSH = 256 << 20  # rotate inputs until they span this many bytes
+
+
+def timed(fn_for_copy, n_copies: int, reps: int = 10, trials: int = 7) -> float:
+    """Median microseconds of one call; calls cycle over the input copies."""
+    fn_for_copy(0)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(reps):
+            fn_for_copy(i % n_copies)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(trials):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / reps)
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    src = torch.randn(1 << 29, device="cuda")  # 2 GiB
+    dst = torch.empty_like(src)
+    us = timed(lambda i: dst.copy_(src), 1, reps=5)
+    return 2 * src.numel() * 4 / (us * 1e-6) / 1e9  # bytes read + written
+
+
+def block_table(batch, ctx, block, n_copies, gen):
+    torch.cuda.empty_cache()  # the previous case's buffers are gone: give their memory back
+    per = math.ceil(ctx / block)
+    total = batch * per * n_copies + 1
+    perm = torch.randperm(total - 1, generator=gen, device="cuda").int() + 1
+    return perm.view(n_copies, batch, per), total
+
+
+def copies_for(nbytes: int) -> int:
+    return max(1, min(8, math.ceil(L2_FLUSH / max(nbytes, 1))))
+
+
+def bench_pq(batch, ctx, m, gen):
+    from vllm_pq_backend import ops
+    from vllm_pq_backend.layout import PageLayout
+
+    assert ops.kernels_available(), "build the CUDA kernels first"
+    lay = PageLayout(PQ_BLOCK, m)
+    code_bytes = batch * ctx * HKV * 2 * m
+    n = copies_for(code_bytes)
+    tables, blocks = block_table(batch, ctx, PQ_BLOCK, n, gen)
+    cache = torch.randint(0, 256, (blocks, HKV, PQ_BLOCK, 2 * m), dtype=torch.uint8,
+                          device="cuda", generator=gen)
+    bf16 = dict(device="cuda", generator=gen, dtype=torch.bfloat16)
+    cb = [torch.randn(HKV, m, 256, D // m, **bf16) for _ in range(2)]
+    rows = torch.arange(batch, dtype=torch.int32, device="cuda")
+    win = [torch.randn(batch, HKV, WINDOW, D, **bf16) for _ in range(2)]
+    q = torch.randn(batch, HQ, D, **bf16)
+    out = torch.empty_like(q)
+    seq = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    splits = ops.num_splits_for(batch, HKV, torch.cuda.get_device_properties(0).multi_processor_count)
+    ws_o = torch.empty(batch * HQ * (splits + 1) * D, device="cuda")
+    ws_lse = torch.empty(batch * HQ * (splits + 1), device="cuda")
+
+    def run(i):
+        torch.ops.pq_backend.decode(out, q, cache, tables[i], seq, cb[0], cb[1], win[0], win[1],
+                                    rows, WINDOW, splits, D**-0.5, ws_o, ws_lse, *lay.kernel_args())
+
+    us = timed(run, n)
+    must_read = code_bytes + 2 * HKV * 256 * D * 2  # codes + codebooks once
+    return us, must_read, splits
+
+
+def bench_fa3(batch, ctx, block, gen):
+    from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
+
+    kv_bytes = batch * ctx * HKV * D * 2 * 2
+    n = copies_for(kv_bytes)
+    tables, blocks = block_table(batch, ctx, block, n, gen)
+    bf16 = dict(device="cuda", generator=gen, dtype=torch.bfloat16)
+    k = torch.randn(blocks, block, HKV, D, **bf16)
+    v = torch.randn(blocks, block, HKV, D, **bf16)
+    q = torch.randn(batch, HQ, D, **bf16)
+    out = torch.empty_like(q)
+    cu_q = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    seq = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+
+    def run(i):
+        flash_attn_varlen_func(q=q, k=k, v=v, out=out, cu_seqlens_q=cu_q, max_seqlen_q=1,
+                               seqused_k=seq, max_seqlen_k=ctx, softmax_scale=D**-0.5,
+                               causal=True, block_table=tables[i], fa_version=3)
+
+    return timed(run, n), kv_bytes
+
+
+def bench_turboquant(batch, ctx, gen):
+    from vllm.model_executor.layers.quantization.turboquant.centroids import get_centroids
+    from vllm.model_executor.layers.quantization.turboquant.config import TurboQuantConfig
+    from vllm.v1.attention.backends.turboquant_attn import _build_hadamard
+    from vllm.v1.attention.ops.triton_turboquant_decode import triton_turboquant_decode_attention
+
+    cfg = TurboQuantConfig.from_cache_dtype("turboquant_4bit_nc", D)
+    block = 16
+    slot = cfg.slot_size_aligned
+    n = copies_for(batch * ctx * HKV * slot)
+    tables, blocks = block_table(batch, ctx, block, n, gen)
+    cache = torch.randint(0, 256, (blocks, block, HKV, slot), dtype=torch.uint8, device="cuda",
+                          generator=gen)
+    pi = _build_hadamard(D, "cuda")
+    cents = get_centroids(D, cfg.centroid_bits).to("cuda", torch.float32)
+    q = torch.randn(batch, HQ, D, device="cuda", generator=gen, dtype=torch.bfloat16)
+    seq = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+
+    def run(i):
+        triton_turboquant_decode_attention(
+            query=q, kv_cache=cache, block_table=tables[i], seq_lens=seq, Pi=pi,
+            centroids=cents, scale=D**-0.5, mse_bits=cfg.key_mse_bits,
+            key_packed_size=cfg.key_packed_size, value_quant_bits=cfg.effective_value_quant_bits,
+            key_fp8=cfg.key_fp8, norm_correction=cfg.norm_correction, PiT=pi.T.contiguous(),
+        )
+
+    us = timed(run, n)
+    return us, batch * ctx * HKV * slot
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384, 32768, 65536, 131072])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    p.add_argument("--m", type=int, nargs="+", default=[64, 32])
+    p.add_argument("--out", default="eval/results/decode_kernel.json")
+    args = p.parse_args()
+    import vllm
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    copy_gbs = copy_bandwidth()
+    rows = []
+    print(f"device {torch.cuda.get_device_name()}, copy {copy_gbs:.0f} GB/s (read+write)", flush=True)
+    print("context batch  M | custom_us  fa3_us(b16/b128)  tq_us | x_fa3 x_tq | custom GB/s (% copy)")
+    for ctx in args.contexts:
+        for batch in args.batches:
+            fa16, fa_bytes = bench_fa3(batch, ctx, 16, gen)
+            fa128, _ = bench_fa3(batch, ctx, 128, gen)
+            tq, tq_bytes = bench_turboquant(batch, ctx, gen)
+            for m in args.m:
+                us, must, splits = bench_pq(batch, ctx, m, gen)
+                fa = min(fa16, fa128)
+                gbs = must / (us * 1e-6) / 1e9
+                rows.append(dict(
+                    context=ctx, batch=batch, M=m, custom_us=round(us, 2), fa3_us=round(fa, 2),
+                    fa3_block16_us=round(fa16, 2), fa3_block128_us=round(fa128, 2),
+                    turboquant_us=round(tq, 2), speedup_vs_fa3=round(fa / us, 3),
+                    speedup_vs_turboquant=round(tq / us, 3), custom_gbs=round(gbs, 1),
+                    custom_bytes=must, fa3_gbs=round(fa_bytes / (fa * 1e-6) / 1e9, 1),
+                    turboquant_gbs=round(tq_bytes / (tq * 1e-6) / 1e9, 1), copy_gbs=round(copy_gbs, 1),
+                    custom_pct_copy=round(100 * gbs / copy_gbs, 1), splits=splits,
+                ))
+                print(f"{ctx:7d} {batch:5d} {m:3d} | {us:9.1f} {fa16:8.1f}/{fa128:<8.1f} {tq:8.1f} | "
+                      f"{fa / us:5.2f} {tq / us:5.2f} | {gbs:7.0f} ({100 * gbs / copy_gbs:4.1f}%)", flush=True)
+    result = dict(
+        device=torch.cuda.get_device_name(), vllm=vllm.__version__, torch=torch.__version__,
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        command="python " + " ".join(sys.argv), shapes=dict(q_heads=HQ, kv_heads=HKV, head_dim=D,
+        pq_block=PQ_BLOCK, window=WINDOW), copy_gbs=round(copy_gbs, 1), rows=rows,
+    )
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""CUSTOM under what vLLM's scheduler does, on SmolLM2-135M, greedy: each variant's
+outputs against the same baseline (CUDA graphs, prefix caching, async scheduling).
+
+Variants: prefix caching off; chunked prefill with a 64-token budget; preemption forced
+with a tiny KV cache; enforce_eager (no CUDA graphs). Prompts share long prefixes (so
+prefix caching hits full blocks) and their lengths straddle block and window edges.
+
+    python eval/vllm_features.py --model .model/smollm2 --heldout .model/text/heldout.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+VARIANTS = {
+    "baseline": {},
+    "no_prefix_caching": {"enable_prefix_caching": False},
+    "chunked_prefill_64": {"max_num_batched_tokens": 64, "enable_chunked_prefill": True},
+    "preemption": {"num_gpu_blocks_override": 24},
+    "enforce_eager": {"enforce_eager": True},
+}
+
+
+def prompts_from(path, tokenizer, n_groups, per_group):
+    docs = [json.loads(line)["text"] for line in open(path)]
+    out = []
+    for g in range(n_groups):
+        ids = tokenizer(docs[g], add_special_tokens=False)["input_ids"]
+        prefix = [tokenizer.bos_token_id] + ids[:300 + 37 * g]
+        for j in range(per_group):  # same prefix, different tails
+            tail = ids[400 + 50 * j : 400 + 50 * j + 5 + 41 * j]
+            out.append(prefix + tail)
+    return out
+
+
+def run(name, overrides, args, prompts):
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kw = dict(model=args.model, attention_backend=args.backend, max_model_len=2048,
+              gpu_memory_utilization=0.3, seed=0, max_num_seqs=32,
+              compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]})
+    if args.backend == "CUSTOM":
+        kw["additional_config"] = {"pq": {"m": args.m, "window": args.window}}
+    kw.update(overrides)
+    t0 = time.time()
+    llm = LLM(**kw)
+    vc = llm.llm_engine.vllm_config
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                        SamplingParams(max_tokens=args.gen_tokens, temperature=0.0), use_tqdm=False)
+    metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+    info = dict(
+        variant=name, overrides=overrides, seconds=round(time.time() - t0, 1),
+        cudagraph_mode=str(vc.compilation_config.cudagraph_mode),
+        async_scheduling=bool(vc.scheduler_config.async_scheduling),
+        prefix_caching=bool(vc.cache_config.enable_prefix_caching),
+        block_size=vc.cache_config.block_size, kv_blocks=vc.cache_config.num_gpu_blocks,
+        preemptions=metrics.get("vllm:num_preemptions"),
+        prefix_cache_hits=metrics.get("vllm:prefix_cache_hits"),
+    )
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return info, tokens
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--heldout", required=True)
+    p.add_argument("--backend", default="CUSTOM")
+    p.add_argument("--m", type=int, default=32)
+    p.add_argument("--window", type=int, default=128)
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS))
+    p.add_argument("--gen-tokens", type=int, default=48)
+    p.add_argument("--out", default="eval/results/vllm_features.json")
+    args = p.parse_args()
+
+    import torch
+    import vllm
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(args.model)
+    prompts = prompts_from(args.heldout, tok, 8, 3)
+    rows, base = [], None
+    for name in args.variants:
+        info, tokens = run(name, VARIANTS[name], args, prompts)
+        if base is None:
+            base = tokens
+        same = [a == b for a, b in zip(tokens, base)]
+        info["identical_to_baseline"] = f"{sum(same)}/{len(same)}"
+        info["first_divergence"] = [
+            next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+            for a, b in zip(tokens, base) if a != b
+        ]
+        rows.append(info)
+        print(json.dumps(info), flush=True)
+    result = dict(
+        device=torch.cuda.get_device_name(), vllm=vllm.__version__, torch=torch.__version__,
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        command="python " + " ".join(sys.argv), backend=args.backend, m=args.m, window=args.window,
+        prompts=len(prompts), prompt_lens=[len(x) for x in prompts], rows=rows,
+    )
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

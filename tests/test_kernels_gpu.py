@@ -1,0 +1,184 @@
+"""CUDA kernels against the PyTorch reference, on fresh random inputs and random block
+tables, with poisoned outputs. Needs a GPU and the built extension."""
+
+import math
+
+import pytest
+import torch
+
+from vllm_pq_backend import ops, reference
+from vllm_pq_backend.layout import PageLayout
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+DEV = "cuda"
+TOL = {torch.bfloat16: 1.5e-2, torch.float16: 4e-3}  # P and centroids in 16-bit for the MMAs
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels_built():
+    assert ops.kernels_available(), "the CUDA extension is not built (pip install --no-build-isolation -e .)"
+
+
+def codebook(heads, m, ds, dtype, gen):
+    """Centroids exactly representable in ``dtype``: kernel and reference see equal values."""
+    return (torch.randn(heads, m, 256, ds, generator=gen) * 0.7).to(dtype).to(DEV)
+
+
+def paged_case(lens, *, d, m, g, hkv, block, dtype, window, seed):
+    gen = torch.Generator().manual_seed(seed)
+    lay = PageLayout(block, m)
+    need = [math.ceil(n / block) for n in lens]
+    blocks = torch.randperm(sum(need) + 4, generator=gen)[: sum(need)] + 1  # block 0 is null
+    table = torch.zeros(len(lens), max(need), dtype=torch.int32)
+    at = 0
+    for i, n in enumerate(need):
+        table[i, :n] = blocks[at : at + n]
+        at += n
+    cache = torch.randint(0, 256, (sum(need) + 5, hkv, block, lay.state_bytes), generator=gen,
+                          dtype=torch.uint8)
+    rows = torch.randperm(max(8, len(lens)), generator=gen)[: len(lens)].int()
+    w = max(window, 1)
+    case = dict(
+        lay=lay, table=table.to(DEV), cache=cache.to(DEV), rows=rows.to(DEV),
+        seq=torch.tensor(lens, dtype=torch.int32, device=DEV),
+        q=torch.randn(len(lens), hkv * g, d, generator=gen).to(DEV, dtype),
+        k_cb=codebook(hkv, m, d // m, dtype, gen), v_cb=codebook(hkv, m, d // m, dtype, gen),
+        win_k=torch.randn(max(8, len(lens)), hkv, w, d, generator=gen).to(DEV, dtype),
+        win_v=torch.randn(max(8, len(lens)), hkv, w, d, generator=gen).to(DEV, dtype),
+        window=window, scale=d**-0.5,
+    )
+    return case
+
+
+def run_kernel(c, splits):
+    r, hq, d = c["q"].shape
+    out = torch.full_like(c["q"], float("nan"))
+    ws_o = torch.full((r * hq * (splits + 1) * d,), float("nan"), device=DEV)
+    ws_lse = torch.full((r * hq * (splits + 1),), float("nan"), device=DEV)
+    torch.ops.pq_backend.decode(
+        out, c["q"], c["cache"], c["table"], c["seq"], c["k_cb"], c["v_cb"], c["win_k"],
+        c["win_v"], c["rows"], c["window"], splits, c["scale"], ws_o, ws_lse,
+        *c["lay"].kernel_args(),
+    )
+    return out
+
+
+def run_reference(c):
+    w, rows, lens = c["window"], c["rows"].long(), c["seq"].long()
+    slot = (lens - 1) % max(w, 1)
+    key = c["win_k"][rows, :, slot]  # the query token's own row, already in the window
+    value = c["win_v"][rows, :, slot]
+    return reference.attention(
+        c["q"], key, value, c["cache"], c["k_cb"].float(), c["v_cb"].float(), c["lay"],
+        list(range(len(lens) + 1)), lens.tolist(), c["table"], c["scale"], w,
+        c["win_k"], c["win_v"], rows.tolist(),
+    )
+
+
+def check(c, splits, tol):
+    out = run_kernel(c, splits)
+    ref = run_reference(c)
+    assert not torch.isnan(out).any(), "unwritten (NaN) output"
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    assert err < tol, f"relative error {err:.2e}"
+
+
+MIXED = [1, 2, 31, 32, 33, 200, 1500, 4099]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d,m", [(64, 8), (64, 16), (64, 32), (128, 16), (128, 32), (128, 64),
+                                 (256, 32), (256, 64), (256, 128)])
+def test_decode_head_dims_and_m(d, m, dtype):
+    c = paged_case(MIXED, d=d, m=m, g=4, hkv=2, block=128, dtype=dtype, window=0, seed=d + m)
+    check(c, splits=3, tol=TOL[dtype])
+
+
+@pytest.mark.parametrize("g", [1, 2, 3, 4, 8, 12])
+@pytest.mark.parametrize("block,window", [(32, 0), (32, 32), (128, 0), (128, 32), (128, 128), (256, 64)])
+def test_decode_gqa_blocks_windows(g, block, window):
+    c = paged_case(MIXED, d=128, m=32, g=g, hkv=2, block=block, dtype=torch.bfloat16,
+                   window=window, seed=g * 1000 + block + window)
+    check(c, splits=4, tol=TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("splits", [1, 2, 7, 16])
+def test_decode_any_split_count(splits):
+    c = paged_case(MIXED, d=128, m=64, g=4, hkv=2, block=64, dtype=torch.bfloat16, window=64,
+                   seed=splits)
+    check(c, splits=splits, tol=TOL[torch.bfloat16])
+
+
+def test_decode_128k_context():
+    c = paged_case([131072, 70001, 5], d=128, m=64, g=4, hkv=8, block=128,
+                   dtype=torch.bfloat16, window=128, seed=128)
+    check(c, splits=16, tol=TOL[torch.bfloat16])
+
+
+def test_decode_replays_in_a_cuda_graph():
+    """Captured once, replayed for other contexts: the grid depends on the batch only."""
+    c = paged_case([4000, 3000, 77], d=128, m=32, g=4, hkv=2, block=128, dtype=torch.bfloat16,
+                   window=128, seed=9)
+    r, hq, d = c["q"].shape
+    out = torch.empty_like(c["q"])
+    ws_o = torch.empty(r * hq * 5 * d, device=DEV)
+    ws_lse = torch.empty(r * hq * 5, device=DEV)
+    args = lambda: (out, c["q"], c["cache"], c["table"], c["seq"], c["k_cb"], c["v_cb"],  # noqa: E731
+                    c["win_k"], c["win_v"], c["rows"], 128, 4, c["scale"], ws_o, ws_lse,
+                    *c["lay"].kernel_args())
+    torch.ops.pq_backend.decode(*args())  # warm up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.ops.pq_backend.decode(*args())
+    for lens in ([4000, 3000, 77], [129, 2, 3999]):
+        c["seq"].copy_(torch.tensor(lens, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = run_reference(c)
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        assert err < TOL[torch.bfloat16], (lens, err)
+
+
+def codes_at(cache, slots, lay):
+    blk, tok = (slots // lay.block_size).view(-1, 1, 1), (slots % lay.block_size).view(-1, 1, 1)
+    regions = cache.flatten(2)
+    h = regions.shape[1]
+    heads = torch.arange(h, device=cache.device).view(1, h, 1)
+    sub = torch.arange(lay.m, device=cache.device).view(1, 1, -1)
+    return regions[blk, heads, lay.k_code_offset(tok, sub)], regions[blk, heads, lay.v_code_offset(tok, sub)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d,m", [(64, 8), (64, 32), (128, 16), (128, 32), (128, 64), (256, 128)])
+def test_store_kernel_matches_reference(d, m, dtype):
+    gen = torch.Generator().manual_seed(d * m)
+    hkv, block, n = 4, 64, 700
+    lay = PageLayout(block, m)
+    cache = torch.full((24, hkv, block, lay.state_bytes), 0xAB, dtype=torch.uint8, device=DEV)
+    ref_cache = cache.clone()
+    slots = torch.randperm(24 * block, generator=gen)[:n]
+    slots[torch.rand(n, generator=gen) < 0.1] = -1  # padding rows
+    slots = slots.to(DEV)
+    key = (torch.randn(n, hkv, d, generator=gen) * 2).to(DEV, dtype)
+    value = torch.randn(n, hkv, d, generator=gen).to(DEV, dtype)
+    k_cb = torch.randn(hkv, m, 256, d // m, generator=gen).to(DEV) * 2
+    v_cb = torch.randn(hkv, m, 256, d // m, generator=gen).to(DEV)
+    torch.ops.pq_backend.store(cache, key, value, slots, k_cb, v_cb, *lay.kernel_args())
+    reference.store(ref_cache, key, value, slots, k_cb, v_cb, lay)
+    keep = slots >= 0
+    code_diffs = 0
+    for x, cb, got, want in zip((key, value), (k_cb, v_cb), codes_at(cache, slots[keep], lay),
+                                codes_at(ref_cache, slots[keep], lay)):
+        differ = got != want
+        code_diffs += int(differ.sum())
+        assert differ.float().mean() < 1e-3, f"{differ.sum()} codes differ"
+        if differ.any():  # only near-ties may differ: both centroids equally close
+            xs = x[keep].float().view(-1, hkv, m, d // m)
+            hi = torch.arange(hkv, device=DEV).view(1, -1, 1)
+            mi = torch.arange(m, device=DEV).view(1, 1, -1)
+            dg = ((xs - cb[hi, mi, got.long()]) ** 2).sum(-1)[differ]
+            dw = ((xs - cb[hi, mi, want.long()]) ** 2).sum(-1)[differ]
+            assert torch.allclose(dg, dw, rtol=1e-5, atol=1e-6)
+    # every other byte (padding slots, other tokens, block 0) is left as it was
+    assert int((cache != ref_cache).sum()) == code_diffs

@@ -118,6 +118,7 @@ def main() -> int:
         if base is not None:
             r["greedy_token_agreement"], r["greedy_prefix_agreement"] = agreement(r["greedy"], base["greedy"])
             r["ppl_vs_flash_attn_pct"] = round(100 * (r["ppl"] / base["ppl"] - 1), 3)
+    for r in rows:
         del r["greedy"]
     d = cfg.head_dim
     layers, kv = cfg.num_hidden_layers, cfg.num_key_value_heads

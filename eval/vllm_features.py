@@ -47,7 +47,7 @@ def run(name, overrides, args, prompts):
     from vllm.inputs import TokensPrompt
 
     kw = dict(model=args.model, attention_backend=args.backend, max_model_len=2048,
-              gpu_memory_utilization=0.3, seed=0, max_num_seqs=32,
+              gpu_memory_utilization=0.3, seed=0, max_num_seqs=32, disable_log_stats=False,
               compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]})
     if args.backend == "CUSTOM":
         kw["additional_config"] = {"pq": {"m": args.m, "window": args.window}}

@@ -11,6 +11,8 @@ import pytest  # noqa: E402
 
 from helpers import random_codebooks, write_model_config  # noqa: E402
 
+from vllm_pq_backend.config import default_codebook_path  # noqa: E402
+
 
 @pytest.fixture(scope="session")
 def model_factory(tmp_path_factory):
@@ -24,7 +26,7 @@ def model_factory(tmp_path_factory):
             d = tmp_path_factory.mktemp(f"model_d{head_dim}_q{q_heads}_kv{kv_heads}")
             write_model_config(str(d), head_dim=head_dim, q_heads=q_heads, kv_heads=kv_heads)
             for m in (head_dim // 8, head_dim // 4, head_dim // 2):
-                random_codebooks(str(d / f"pq_codebooks_m{m}.safetensors"), str(d), m, seed=m)
+                random_codebooks(default_codebook_path(str(d), m), str(d), m, seed=m)
             made[key] = str(d)
         return made[key]
 

@@ -93,13 +93,13 @@ def test_config_precedence_and_defaults(tmp_path, monkeypatch):
     model = write_model_config(str(tmp_path / "m"))
     monkeypatch.delenv("VLLM_PQ_M", raising=False)
     cfg = PQConfig.from_sources(None, model)
-    assert cfg.codebook_file(64) == os.path.join(model, "pq_codebooks_m32.safetensors")
+    assert cfg.codebook_file(64) == os.path.join(model, "pq", "codebooks_m32.safetensors")
     assert cfg.resolve_window(128) == 128 and cfg.resolve_window(32) == 32
     monkeypatch.setenv("VLLM_PQ_M", "16")
     monkeypatch.setenv("VLLM_PQ_WINDOW", "0")
     cfg = PQConfig.from_sources(None, model)
     assert cfg.m == 16 and cfg.resolve_window(128) == 0
-    assert cfg.codebook_file(64).endswith("pq_codebooks_m16.safetensors")
+    assert cfg.codebook_file(64).endswith("pq/codebooks_m16.safetensors")
     cfg = PQConfig.from_sources({"pq": {"m": 8, "window": 64}}, model)
     assert cfg.m == 8 and cfg.resolve_window(128) == 64
     with pytest.raises(ValueError, match="divides the KV block size"):
@@ -151,7 +151,7 @@ def test_impl_refuses_wrong_codebooks(tmp_path):
         with pytest.raises(codebooks.CodebookError, match="do not match this model"):
             PQAttentionImpl(4, 64, 0.125, 2)
     with set_current_vllm_config(vllm_config(a, block_size=64, pq={})):  # default file absent
-        with pytest.raises(codebooks.CodebookError, match="pq_codebooks_m32.safetensors"):
+        with pytest.raises(codebooks.CodebookError, match="pq/codebooks_m32.safetensors"):
             PQAttentionImpl(4, 64, 0.125, 2)
 
 

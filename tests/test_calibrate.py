@@ -38,7 +38,7 @@ def test_calibrate_writes_valid_codebooks(tmp_path, capsys):
     assert main(["--model", model, "--text", str(text), "--m", "8", "--tokens", "1500",
                  "--samples", "600", "--seq-len", "256", "--niter", "3",
                  "--device", "cpu", "--dtype", "float32"]) == 0
-    out = tmp_path / "model" / "pq_codebooks_m8.safetensors"
+    out = tmp_path / "model" / "pq" / "codebooks_m8.safetensors"
     info = codebooks.read_info(str(out))
     codebooks.validate(info, hf_config(model), 8, model)
     assert (info.m, info.head_dim, info.num_layers, info.num_kv_heads) == (8, 32, 2, 2)

@@ -16,8 +16,18 @@ from .layout import BLOCK_ALIGN, PageLayout
 SUPPORTED_HEAD_SIZES = (64, 128, 256)
 
 
+_M_SEEN: dict[int, int] = {}  # head_size -> M, set when the layers are built
+
+
 def configured_m(head_size: int) -> int:
-    """M of the codebooks this engine will load (the file is the authority)."""
+    """M of the codebooks this engine will load (the file is the authority).
+
+    vLLM asks for the page size (customize_spec) outside its config context; by then the
+    attention layers, built inside it, have recorded M."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    if get_current_vllm_config_or_none() is None and head_size in _M_SEEN:
+        return _M_SEEN[head_size]
     cfg = current_pq_config()
     info = codebooks.read_info(cfg.codebook_file(head_size))
     if cfg.m is not None and cfg.m != info.m:
@@ -25,6 +35,7 @@ def configured_m(head_size: int) -> int:
             f"PQ codebooks {info.path} have M={info.m}, configuration asks for M={cfg.m}. "
             + codebooks.calibrate_hint(m=cfg.m)
         )
+    _M_SEEN[head_size] = info.m
     return info.m
 
 

@@ -98,6 +98,19 @@ class KVCapture:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
+def pin(cents: np.ndarray, x: np.ndarray) -> None:
+    """Make ``x [d]`` exactly representable: per subspace, its nearest centroid becomes it.
+
+    Used for the first token's K/V (the attention sink): nearly every query puts much of
+    its attention there, so its quantization error reaches every output, and it is a
+    single far-out point k-means gives no centroid of its own. Measured on SmolLM2 at
+    M=32: perplexity +39% over bf16 with plain codebooks, +6% with the sink pinned."""
+    m, _, ds = cents.shape
+    xs = x.reshape(m, 1, ds)
+    idx = ((cents - xs) ** 2).sum(-1).argmin(-1)
+    cents[np.arange(m), idx] = xs[:, 0]
+
+
 def train_pq(x: np.ndarray, m: int, niter: int, seed: int) -> tuple[np.ndarray, float]:
     """faiss ProductQuantizer on ``x [n, d]``: centroids ``[m, 256, d/m]`` and rel. error."""
     import faiss
@@ -126,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="calibration text: files or folders of .txt/.rst/.md, or .jsonl with 'text'",
     )
     p.add_argument("--m", type=int, default=None, help="subspaces per head (default head_dim/2)")
-    p.add_argument("--out", default=None, help="output file (default MODEL/pq_codebooks_m<M>.safetensors)")
+    p.add_argument("--out", default=None, help="output file (default MODEL/pq/codebooks_m<M>.safetensors)")
     p.add_argument("--tokens", type=int, default=65536, help="calibration tokens to run (default 65536)")
     p.add_argument("--samples", type=int, default=32768, help="K/V rows kept per layer and head for training (default 32768)")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per forward pass (default 2048)")
@@ -167,7 +180,12 @@ def main(argv: list[str] | None = None) -> int:
         attn_implementation=KVCapture.NAME,
     ).to(args.device).eval()
     t0 = time.time()
+    sink = None  # K/V of the BOS token at position 0, the same for every BOS-first prompt
     with torch.inference_mode():
+        if tok.bos_token_id is not None:
+            cap.new_sequence(1)
+            model(torch.tensor([[tok.bos_token_id]], device=args.device))
+            sink = [(k.pop(), v.pop()) for k, v in zip(cap.k, cap.v)]
         for ids in tqdm(seqs, desc="forward passes", unit="seq"):
             cap.new_sequence(len(ids))
             model(torch.tensor([ids], device=args.device))
@@ -185,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
             for h in range(heads):
                 cents, err = train_pq(np.ascontiguousarray(x[:, h].numpy()), m, args.niter,
                                       args.seed + layer)
+                if sink is not None:
+                    pin(cents, sink[layer][0 if which == "k" else 1][0, h].float().numpy())
                 books[layer, h] = torch.from_numpy(cents)
                 errs.append(err)
                 bar.update()
@@ -197,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         "texts": [os.path.abspath(t) for t in args.text],
         "documents": len(docs), "tokens": total, "samples_per_head": samples,
         "niter": args.niter, "seed": args.seed, "dtype": args.dtype,
+        "pinned_bos_sink": sink is not None,
         "rel_mse_k": [round(e, 5) for e in errors["k"]],
         "rel_mse_v": [round(e, 5) for e in errors["v"]],
     })

@@ -6,7 +6,7 @@ Precedence, highest first:
   2. environment: ``VLLM_PQ_CODEBOOKS``, ``VLLM_PQ_M``, ``VLLM_PQ_WINDOW`` (handy for
      lm-eval, whose ``--model_args`` cannot carry a JSON dict)
   3. defaults: ``m = head_dim // 2`` (4 bits per element), codebooks at
-     ``<model dir>/pq_codebooks_m<M>.safetensors`` (where ``vllm_pq_backend.calibrate``
+     ``<model dir>/pq/codebooks_m<M>.safetensors`` (where ``vllm_pq_backend.calibrate``
      writes them), window = 128 tokens when the block size allows it.
 """
 
@@ -26,7 +26,8 @@ _KEYS = {"codebooks", "m", "window"}
 
 
 def default_codebook_path(model_dir: str, m: int) -> str:
-    return os.path.join(model_dir, f"pq_codebooks_m{m}.safetensors")
+    # In a subfolder: vLLM loads every top-level *.safetensors of a model as weights.
+    return os.path.join(model_dir, "pq", f"codebooks_m{m}.safetensors")
 
 
 @dataclass(frozen=True)

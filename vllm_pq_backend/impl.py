@@ -8,6 +8,7 @@ import torch
 from vllm.v1.attention.backend import AttentionImpl, AttentionLayer, AttentionType
 
 from . import codebooks, ops
+from .backend import configured_m
 from .config import PQConfig, current_pq_config
 from .layout import PageLayout
 from .metadata import PQMetadata
@@ -33,7 +34,8 @@ class LayerState:
         self.max_reqs = impl.max_num_seqs
         self.win_k = self.win_v = None
         if self.window > 0:
-            shape = (impl.max_num_seqs, impl.num_kv_heads, self.window, impl.head_size)
+            rows = impl.max_num_seqs + 1  # + the scratch row of CUDA-graph padding
+            shape = (rows, impl.num_kv_heads, self.window, impl.head_size)
             self.win_k = torch.zeros(shape, dtype=dtype, device=device)
             self.win_v = torch.zeros(shape, dtype=dtype, device=device)
         self.hq, self.d, self.device = impl.num_heads, impl.head_size, device
@@ -94,6 +96,7 @@ class PQAttentionImpl(AttentionImpl[PQMetadata]):
         codebooks.validate(
             self.codebook_info, vc.model_config.hf_config, self.cfg.m, vc.model_config.model
         )
+        configured_m(head_size)  # remembered for vLLM's page sizing
         # vLLM settles the block size after the model is built: read it when first used.
         self._cache_config = vc.cache_config
         self.max_num_seqs = vc.scheduler_config.max_num_seqs

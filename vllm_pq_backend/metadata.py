@@ -167,8 +167,12 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
         cfg = PQConfig.from_sources(vllm_config.additional_config, model)
         self.block_size = kv_cache_spec.block_size
         self.window = cfg.resolve_window(self.block_size)
-        max_reqs = vllm_config.scheduler_config.max_num_seqs
-        self.req_rows = torch.zeros(max_reqs, dtype=torch.int32, device=device)
+        sched = vllm_config.scheduler_config
+        # Rows of CUDA-graph padding requests point at the store's scratch row
+        # (max_num_seqs), so their window writes never touch a live request's rows.
+        self.scratch_row = sched.max_num_seqs
+        size = max(sched.max_num_seqs, sched.max_num_batched_tokens)
+        self.req_rows = torch.full((size,), self.scratch_row, dtype=torch.int32, device=device)
         dev = torch.device(device)
         self.num_sms = (
             torch.cuda.get_device_properties(dev).multi_processor_count
@@ -204,7 +208,9 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
                     "request a stable row); unset VLLM_USE_V2_MODEL_RUNNER=0, or turn the "
                     "window off with --additional-config '{\"pq\": {\"window\": 0}}'."
                 )
-            rows = np.asarray(cam.req_idx[:n], dtype=np.int32)
+            rows = np.full(n, self.scratch_row, dtype=np.int32)
+            real = np.asarray(cam.req_idx[:n], dtype=np.int32)
+            rows[: len(real)] = real
             self.req_rows[:n].copy_(torch.from_numpy(rows), non_blocking=True)
             rows_cpu = rows.tolist()
         prefill = None

@@ -4,6 +4,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cstdint>
+#include <type_traits>
 
 #include "pq_kernels.h"
 
@@ -22,15 +23,6 @@ struct Elem<__half> {
     __half2 h = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<uint32_t*>(&h);
   }
-  // D += A(16x16, row) * B(16x8, col), fp32 accumulate
-  static __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4],
-                                             uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
-        "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
 };
 
 template <>
@@ -41,15 +33,24 @@ struct Elem<__nv_bfloat16> {
     __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<uint32_t*>(&h);
   }
-  static __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4],
-                                             uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
-        "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
 };
+
+#define PQ_MMA_M16N8K16(AB)                                                              \
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." AB "." AB                       \
+               ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"          \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                          \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
+
+// D += A(16x16, row) * B(16x8, col) on tensor cores, fp32 accumulate, T = f16 or bf16.
+template <typename T>
+__device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<T, __half>) {
+    PQ_MMA_M16N8K16("f16");
+  } else {
+    PQ_MMA_M16N8K16("bf16");
+  }
+}
+#undef PQ_MMA_M16N8K16
 
 // Transpose an 8x8 b16 matrix held in mma fragment form (row lane/4, cols 2*(lane%4)+{0,1}).
 __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
@@ -80,36 +81,25 @@ __device__ __forceinline__ void load_bytes(const uint8_t* p, uint32_t (&w)[(N + 
 
 __device__ __forceinline__ int byte_of(const uint32_t* w, int i) { return (w[i >> 2] >> (8 * (i & 3))) & 0xff; }
 
-// N 32-bit words from p (16-byte aligned when N >= 4).
+// N 32-bit words moved as one aligned vector access (16-byte pieces when N >= 4).
+template <int N>
+struct alignas(N >= 4 ? 16 : 4 * N) Words {
+  uint32_t w[N];
+};
+
 template <int N>
 __device__ __forceinline__ void load_words(const void* p, uint32_t (&w)[N]) {
-  if constexpr (N % 4 == 0) {
+  const Words<N> v = *static_cast<const Words<N>*>(p);
 #pragma unroll
-    for (int i = 0; i < N / 4; ++i) {
-      uint4 v = reinterpret_cast<const uint4*>(p)[i];
-      w[4 * i] = v.x, w[4 * i + 1] = v.y, w[4 * i + 2] = v.z, w[4 * i + 3] = v.w;
-    }
-  } else if constexpr (N == 2) {
-    uint2 v = *reinterpret_cast<const uint2*>(p);
-    w[0] = v.x, w[1] = v.y;
-  } else {
-    static_assert(N == 1, "unsupported word count");
-    w[0] = *reinterpret_cast<const uint32_t*>(p);
-  }
+  for (int i = 0; i < N; ++i) w[i] = v.w[i];
 }
 
 template <int N>
 __device__ __forceinline__ void store_words(void* p, const uint32_t (&w)[N]) {
-  if constexpr (N % 4 == 0) {
+  Words<N> v;
 #pragma unroll
-    for (int i = 0; i < N / 4; ++i)
-      reinterpret_cast<uint4*>(p)[i] = make_uint4(w[4 * i], w[4 * i + 1], w[4 * i + 2], w[4 * i + 3]);
-  } else if constexpr (N == 2) {
-    *reinterpret_cast<uint2*>(p) = make_uint2(w[0], w[1]);
-  } else {
-    static_assert(N == 1, "unsupported word count");
-    *reinterpret_cast<uint32_t*>(p) = w[0];
-  }
+  for (int i = 0; i < N; ++i) v.w[i] = w[i];
+  *static_cast<Words<N>*>(p) = v;
 }
 
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }

@@ -236,7 +236,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_kernel(DecodeArgs a)
 #pragma unroll
       for (int j = 0; j < D / 16; ++j) {
         const uint32_t fa[4] = {ka[2 * j], kb[2 * j], ka[2 * j + 1], kb[2 * j + 1]};
-        Elem<T>::mma(acc, fa, qf[2 * j], qf[2 * j + 1]);
+        mma<T>(acc, fa, qf[2 * j], qf[2 * j + 1]);
       }
       const bool va = pa >= t_begin && pa < t_end, vb = pb >= t_begin && pb < t_end;
       s[h][0] = va ? acc[0] * scale : -CUDART_INF_F;
@@ -280,7 +280,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_kernel(DecodeArgs a)
         for (int u = 0; u < C::DW; ++u) {
           const uint32_t fa[4] = {__byte_perm(v[0][u], v[1][u], 0x5410), __byte_perm(v[0][u], v[1][u], 0x7632),
                                   __byte_perm(v[2][u], v[3][u], 0x5410), __byte_perm(v[2][u], v[3][u], 0x7632)};
-          Elem<T>::mma(o[q * C::DW + u], fa, pb0, pb1);
+          mma<T>(o[q * C::DW + u], fa, pb0, pb1);
         }
       }
     }

@@ -39,18 +39,17 @@ class LayerState:
             self.win_k = torch.zeros(shape, dtype=dtype, device=device)
             self.win_v = torch.zeros(shape, dtype=dtype, device=device)
         self.hq, self.d, self.device = impl.num_heads, impl.head_size, device
+        # Allocated now (the profiling run), never during CUDA graph capture.
+        self.workspace(impl.max_decode_batch, self.hq, ops.MAX_SPLITS + 1)
 
     def workspace(self, n: int, hq: int, splits: int):
+        """Split results of the decode kernel, shared by all layers of the process."""
         key = (str(self.device), hq, self.d)
-        ws = LayerState._workspaces.get(key)
-        if ws is None:
-            rows = self.max_reqs * (ops.MAX_SPLITS + 1)
-            ws = (
-                torch.empty(rows * hq * self.d, dtype=torch.float32, device=self.device),
-                torch.empty(rows * hq, dtype=torch.float32, device=self.device),
-            )
-            LayerState._workspaces[key] = ws
-        o, lse = ws
+        o, lse = LayerState._workspaces.get(key, (None, None))
+        if o is None or o.numel() < n * hq * splits * self.d:
+            o = torch.empty(n * hq * splits * self.d, dtype=torch.float32, device=self.device)
+            lse = torch.empty(n * hq * splits, dtype=torch.float32, device=self.device)
+            LayerState._workspaces[key] = (o, lse)
         return o[: n * hq * splits * self.d], lse[: n * hq * splits]
 
 
@@ -100,6 +99,9 @@ class PQAttentionImpl(AttentionImpl[PQMetadata]):
         # vLLM settles the block size after the model is built: read it when first used.
         self._cache_config = vc.cache_config
         self.max_num_seqs = vc.scheduler_config.max_num_seqs
+        # CUDA graphs pad decode batches up to a capture size, which can pass max_num_seqs
+        sizes = vc.compilation_config.cudagraph_capture_sizes or []
+        self.max_decode_batch = max([self.max_num_seqs, *sizes])
         self.tp_rank, self.tp_size = _tp_rank_size()
         self._state: LayerState | None = None
 

@@ -19,6 +19,17 @@ import sys
 import torch
 
 
+def nearest(x, cb):
+    """reference.encode through a matmul (||c||^2 - 2 x.c): the same codes but for
+    rounding at near-ties, and fast enough for thousands of tokens on a CPU."""
+    n, h, d = x.shape
+    _, m, c, ds = cb.shape
+    xs = x.reshape(n, h * m, ds).transpose(0, 1)  # [h*m, n, ds]
+    cs = cb.reshape(h * m, c, ds)
+    dist = (cs * cs).sum(-1).unsqueeze(1) - 2 * torch.bmm(xs, cs.transpose(1, 2))
+    return dist.argmin(-1).transpose(0, 1).reshape(n, h, m).to(torch.uint8)
+
+
 def attention_fn(books, window):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -30,8 +41,11 @@ def attention_fn(books, window):
             return sdpa_attention_forward(module, q, k, v, mask, scaling=scaling, **kw)
         kc, vc = books[module.layer_idx]
         kk, vv = k[0].transpose(0, 1).float(), v[0].transpose(0, 1).float()  # [T, H, d]
-        kq = reference.decode_codes(reference.encode(kk, kc), kc)
-        vq = reference.decode_codes(reference.encode(vv, vc), vc)
+        kq = reference.decode_codes(nearest(kk, kc), kc)
+        vq = reference.decode_codes(nearest(vv, vc), vc)
+        if window == 0:  # every key through its codes: plain (fast) SDPA on K^ and V^
+            k, v = (x.transpose(0, 1)[None].to(q.dtype) for x in (kq, vq))
+            return sdpa_attention_forward(module, q, k, v, mask, scaling=scaling, **kw)
         g = q.shape[1] // k.shape[1]
         qf = q[0].float()  # [Hq, T, d]
         t = kk.shape[0]

@@ -31,7 +31,6 @@ class LayerState:
         self.k_cb, self.v_cb = self.k_cb32.to(dtype), self.v_cb32.to(dtype)  # attend
         self.layout = PageLayout(impl.block_size, info.m)
         self.window = impl.window
-        self.max_reqs = impl.max_num_seqs
         self.win_k = self.win_v = None
         if self.window > 0:
             rows = impl.max_num_seqs + 1  # + the scratch row of CUDA-graph padding

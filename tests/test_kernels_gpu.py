@@ -140,15 +140,6 @@ def test_decode_replays_in_a_cuda_graph():
         assert err < TOL[torch.bfloat16], (lens, err)
 
 
-def codes_at(cache, slots, lay):
-    blk, tok = (slots // lay.block_size).view(-1, 1, 1), (slots % lay.block_size).view(-1, 1, 1)
-    regions = cache.flatten(2)
-    h = regions.shape[1]
-    heads = torch.arange(h, device=cache.device).view(1, h, 1)
-    sub = torch.arange(lay.m, device=cache.device).view(1, 1, -1)
-    return regions[blk, heads, lay.k_code_offset(tok, sub)], regions[blk, heads, lay.v_code_offset(tok, sub)]
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("d,m", [(64, 8), (64, 32), (128, 16), (128, 32), (128, 64), (256, 128)])
 def test_store_kernel_matches_reference(d, m, dtype):
@@ -168,8 +159,8 @@ def test_store_kernel_matches_reference(d, m, dtype):
     reference.store(ref_cache, key, value, slots, k_cb, v_cb, lay)
     keep = slots >= 0
     code_diffs = 0
-    for x, cb, got, want in zip((key, value), (k_cb, v_cb), codes_at(cache, slots[keep], lay),
-                                codes_at(ref_cache, slots[keep], lay)):
+    for x, cb, got, want in zip((key, value), (k_cb, v_cb), reference.codes_at(cache, slots[keep], lay),
+                                reference.codes_at(ref_cache, slots[keep], lay)):
         differ = got != want
         code_diffs += int(differ.sum())
         assert differ.float().mean() < 1e-3, f"{differ.sum()} codes differ"

@@ -38,42 +38,40 @@ def decode_codes(codes: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
     return vec.reshape(*lead, h, m * ds)
 
 
-def _head_regions(kv_cache: torch.Tensor) -> torch.Tensor:
+def _code_index(kv_cache, slots, layout: PageLayout):
+    """The (block, head, byte) advanced indices of the K and V codes of ``slots``, into the
+    cache viewed as ``[blocks, H, B*2M]``: (regions, K index, V index), each ``[n, H, M]``."""
     nb, h, b, sb = kv_cache.shape
-    return kv_cache.view(torch.uint8).reshape(nb, h, b * sb)
+    regions = kv_cache.view(torch.uint8).reshape(nb, h, b * sb)
+    blk = (slots // layout.block_size).long().view(-1, 1, 1)
+    tok = (slots % layout.block_size).long().view(-1, 1, 1)
+    heads = torch.arange(h, device=kv_cache.device).view(1, h, 1)
+    sub = torch.arange(layout.m, device=kv_cache.device).view(1, 1, -1)
+    return regions, (blk, heads, layout.k_code_offset(tok, sub)), (
+        blk, heads, layout.v_code_offset(tok, sub))
 
 
 def store(kv_cache, key, value, slot_mapping, k_cb, v_cb, layout: PageLayout) -> None:
     """Quantize K/V rows and write their codes through ``slot_mapping`` (-1 skipped)."""
     keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    if slots.numel() == 0:
+    if not keep.any():
         return
-    kc = encode(key[keep], k_cb)  # [n, H, M]
-    vc = encode(value[keep], v_cb)
-    regions = _head_regions(kv_cache)
-    blk = slots // layout.block_size
-    tok = slots % layout.block_size
-    n, h, m = kc.shape
-    heads = torch.arange(h, device=kc.device).view(1, h, 1)
-    sub = torch.arange(m, device=kc.device).view(1, 1, m)
-    b3, t3 = blk.view(-1, 1, 1), tok.view(-1, 1, 1)
-    regions[b3, heads, layout.k_code_offset(t3, sub)] = kc
-    regions[b3, heads, layout.v_code_offset(t3, sub)] = vc
+    regions, k_at, v_at = _code_index(kv_cache, slot_mapping[keep], layout)
+    regions[k_at] = encode(key[keep], k_cb)
+    regions[v_at] = encode(value[keep], v_cb)
+
+
+def codes_at(kv_cache, slots, layout: PageLayout):
+    """K and V codes ``[n, H, M]`` stored at ``slots``."""
+    regions, k_at, v_at = _code_index(kv_cache, slots, layout)
+    return regions[k_at], regions[v_at]
 
 
 def read_codes(kv_cache, blocks, length: int, layout: PageLayout):
     """K and V codes ``[length, H, M]`` of one sequence whose block-table row is ``blocks``."""
-    regions = _head_regions(kv_cache)
     pos = torch.arange(length, device=kv_cache.device)
-    blk = blocks[pos // layout.block_size].long().view(-1, 1, 1)
-    tok = (pos % layout.block_size).view(-1, 1, 1)
-    h = regions.shape[1]
-    heads = torch.arange(h, device=kv_cache.device).view(1, h, 1)
-    sub = torch.arange(layout.m, device=kv_cache.device).view(1, 1, -1)
-    kc = regions[blk, heads, layout.k_code_offset(tok, sub)]
-    vc = regions[blk, heads, layout.v_code_offset(tok, sub)]
-    return kc, vc
+    slots = blocks[pos // layout.block_size].long() * layout.block_size + pos % layout.block_size
+    return codes_at(kv_cache, slots, layout)
 
 
 def window_write(win_k, win_v, key, value, rows, positions, window: int) -> None:

@@ -60,7 +60,7 @@ void store(Tensor kv_cache, const Tensor& key, const Tensor& value, const Tensor
 void decode(Tensor out, const Tensor& q, const Tensor& kv_cache, const Tensor& block_table,
             const Tensor& seq_lens, const Tensor& k_cb, const Tensor& v_cb, const Tensor& win_k,
             const Tensor& win_v, const Tensor& rows, int64_t window, int64_t num_splits,
-            double scale, Tensor ws_o, Tensor ws_lse, int64_t k_off, int64_t k_tok,
+            double scale, bool lut, Tensor ws_o, Tensor ws_lse, int64_t k_off, int64_t k_tok,
             int64_t v_off, int64_t v_sub) {
   const at::cuda::OptionalCUDAGuard guard(q.device());
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [R, Hq, D] with dense heads");
@@ -101,6 +101,7 @@ void decode(Tensor out, const Tensor& q, const Tensor& kv_cache, const Tensor& b
   a.m = static_cast<int>(k_cb.size(1));
   a.num_splits = static_cast<int>(num_splits);
   a.scale = static_cast<float>(scale);
+  a.lut = lut;
   a.ws_o = ws_o.data_ptr<float>();
   a.ws_lse = ws_lse.data_ptr<float>();
   a.dtype = dtype_of(q);
@@ -116,7 +117,7 @@ TORCH_LIBRARY(pq_backend, m) {
   m.def(
       "decode(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
       "Tensor k_cb, Tensor v_cb, Tensor win_k, Tensor win_v, Tensor rows, int window, "
-      "int num_splits, float scale, Tensor(b!) ws_o, Tensor(c!) ws_lse, int k_off, int k_tok, "
+      "int num_splits, float scale, bool lut, Tensor(b!) ws_o, Tensor(c!) ws_lse, int k_off, int k_tok, "
       "int v_off, int v_sub) -> ()");
 }
 

@@ -5,6 +5,9 @@
 // heads: scores are S = K^ Q^T with K^ dequantized from the shared-memory codebook
 // straight into mma.m16n8k16 A fragments (16 tokens x 16 dims, 8 query heads as N), and
 // O^T += V^T P with V^ dequantized into A fragments through the transposed V page layout.
+// With LUT (one query head per KV head only) scores are instead sums of M entries of a
+// per-query table q_m . centroid, built in shared memory in place of the K codebook:
+// M 4-byte lookups per token instead of M (D/M)-element lookups and idle MMA columns.
 //
 // Fragment bookkeeping (lane = 4 r + c):
 // * Head dims are permuted for Q.K (a sum over dims): in k-step j thread c holds logical
@@ -52,15 +55,21 @@ struct DecodeCfg {
   static_assert(VSUB * DW == NT, "tiles");
 };
 
-// Shared-memory codebook layouts, in centroids ("units" of DS elements). Random codes
-// make lookups land on random banks; confining the lanes that look up together to a few
-// banks lowers the expected conflict degree. K: lane quarter c reads subspaces c*M/4 ..,
-// so quarter c gets a quarter of each 128-byte row. V (DS = 2 only): lane row r reads
-// subspaces 8q + r, so r gets an eighth. Both are permutations of [subspace][code].
+// Shared-memory codebook layouts, in units of UW 32-bit words (a centroid, or one LUT
+// entry). Random codes make lookups land on random banks; confining the lanes that look
+// up together to a few banks lowers the expected conflict degree. K and LUT: lane quarter
+// c reads subspaces c*MQ .., so quarter c gets a quarter of each 128-byte row. V (DS = 2
+// only): lane row r reads subspaces 8q + r, so r gets an eighth. Both are permutations of
+// [subspace][code].
+template <int UW, int MQ>
+__device__ __forceinline__ int quarter_unit(int sub, int code) {
+  constexpr int row_units = 32 / UW, g = row_units / 4;
+  return ((sub % MQ) * (kCentroids / g) + code / g) * row_units + (sub / MQ) * g + code % g;
+}
+
 template <class C>
 __device__ __forceinline__ int k_unit(int sub, int code) {
-  constexpr int row_units = 32 / C::DW, g = row_units / 4;
-  return ((sub % C::MQ) * (kCentroids / g) + code / g) * row_units + (sub / C::MQ) * g + code % g;
+  return quarter_unit<C::DW, C::MQ>(sub, code);
 }
 
 template <class C>
@@ -82,13 +91,18 @@ struct ChunkCodes {
 
 __device__ __forceinline__ int k_token(int half, int r) { return 8 * (r >> 1) + 4 * half + (r & 1); }
 
+// Dynamic shared memory: the codebooks while scoring, then the cross-warp reduction.
+// Lookups address it through this symbol so that they compile to shared-memory loads
+// (through a pointer that may also be global they would be generic loads).
+extern __shared__ __align__(16) uint8_t pq_smem[];
+
 template <typename T, int D, int M>
 struct DecodeCta {
   using C = DecodeCfg<T, D, M>;
   const DecodeArgs& a;
   int req, hkv, r, c;
   const int32_t* bt;
-  const T* kcb;  // this head's codebooks, [M][256][DS]
+  const T* kcb;  // this head's codebooks in global memory, [M][256][DS]
   const T* vcb;
   const T* wk;   // this request's window rows [W][D]
   const T* wv;
@@ -128,7 +142,7 @@ struct DecodeCta {
         const int code = byte_of(cc.k[h][e], mm);
         uint32_t cw[C::DW];
         const int sub = c * C::MQ + mm;
-        load_words<C::DW>(kcb + (C::kCbSmem ? k_unit<C>(sub, code) : sub * kCentroids + code) * C::DS, cw);
+        load_words<C::DW>(k_book() + (C::kCbSmem ? k_unit<C>(sub, code) : sub * kCentroids + code) * C::DS, cw);
 #pragma unroll
         for (int u = 0; u < C::DW; ++u) w[mm * C::DW + u] = cw[u];
       }
@@ -143,8 +157,17 @@ struct DecodeCta {
       load_words<C::DW>(wv + (int64_t)win_slot(pos) * D + s * C::DS, w);
     } else {
       const int code = (cc.v[h][q] >> (8 * k)) & 0xff;
-      load_words<C::DW>(vcb + (C::kCbSmem ? v_unit<C>(s, code) : s * kCentroids + code) * C::DS, w);
+      load_words<C::DW>(v_book() + (C::kCbSmem ? v_unit<C>(s, code) : s * kCentroids + code) * C::DS, w);
     }
+  }
+
+  __device__ const T* k_book() const {
+    if constexpr (C::kCbSmem) return reinterpret_cast<const T*>(pq_smem);
+    else return kcb;
+  }
+  __device__ const T* v_book() const {
+    if constexpr (C::kCbSmem) return reinterpret_cast<const T*>(pq_smem) + kCentroids * D;
+    else return vcb;
   }
 
   __device__ int win_slot(int pos) const {
@@ -153,10 +176,10 @@ struct DecodeCta {
   }
 };
 
-template <typename T, int D, int M>
+template <typename T, int D, int M, bool LUT>
 __global__ void __launch_bounds__(kDecodeThreads, 1) decode_kernel(DecodeArgs a) {
   using C = DecodeCfg<T, D, M>;
-  extern __shared__ __align__(16) uint8_t smem[];
+  static_assert(!LUT || C::kCbSmem, "the LUT takes the shared-memory codebook's place");
   const int group = a.num_heads / a.num_kv_heads;
   const int hgroups = ceil_div(group, kHeadsPerCta);
   const int slot = blockIdx.x, req = blockIdx.z;
@@ -196,15 +219,24 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_kernel(DecodeArgs a)
     cta.wk = static_cast<const T*>(a.win_k) + row;
     cta.wv = static_cast<const T*>(a.win_v) + row;
   } else if constexpr (C::kCbSmem) {
-    T* s = reinterpret_cast<T*>(smem);
+    T* s = reinterpret_cast<T*>(pq_smem);
+    const T* qh = static_cast<const T*>(a.q) + req * a.q_stride + (int64_t)h0 * D;
     for (int u = threadIdx.x; u < M * kCentroids; u += kDecodeThreads) {
+      const int sub = u / kCentroids, code = u % kCentroids;
       uint32_t w[C::DW];
       load_words<C::DW>(cta.kcb + u * C::DS, w);
-      store_words<C::DW>(s + k_unit<C>(u / kCentroids, u % kCentroids) * C::DS, w);
+      if constexpr (LUT) {
+        const T* cen = reinterpret_cast<const T*>(w);
+        float dot = 0.f;
+#pragma unroll
+        for (int i = 0; i < C::DS; ++i) dot += Elem<T>::to_float(qh[sub * C::DS + i]) * Elem<T>::to_float(cen[i]);
+        reinterpret_cast<float*>(pq_smem)[quarter_unit<1, C::MQ>(sub, code)] = dot;
+      } else {
+        store_words<C::DW>(s + k_unit<C>(sub, code) * C::DS, w);
+      }
       load_words<C::DW>(cta.vcb + u * C::DS, w);
-      store_words<C::DW>(s + kCentroids * D + v_unit<C>(u / kCentroids, u % kCentroids) * C::DS, w);
+      store_words<C::DW>(s + kCentroids * D + v_unit<C>(sub, code) * C::DS, w);
     }
-    cta.kcb = s, cta.vcb = s + kCentroids * D;
     __syncthreads();
   }
 
@@ -229,14 +261,32 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_kernel(DecodeArgs a)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int pa = t0 + k_token(h, r), pb = pa + 2;
-      uint32_t ka[C::KW], kb[C::KW];
-      cta.template fetch_k<WIN>(cc, h, 0, pa, ka);
-      cta.template fetch_k<WIN>(cc, h, 1, pb, kb);
       float acc[4] = {0.f, 0.f, 0.f, 0.f};
+      if constexpr (LUT && !WIN) {
+        // Partial sums over this lane's subspaces, then over the 4 lanes of the row;
+        // every column (query head slot) gets the one head's score.
+        const float* lut = reinterpret_cast<const float*>(pq_smem);
+        float sa = 0.f, sb = 0.f;
 #pragma unroll
-      for (int j = 0; j < D / 16; ++j) {
-        const uint32_t fa[4] = {ka[2 * j], kb[2 * j], ka[2 * j + 1], kb[2 * j + 1]};
-        mma<T>(acc, fa, qf[2 * j], qf[2 * j + 1]);
+        for (int mm = 0; mm < C::MQ; ++mm) {
+          sa += lut[quarter_unit<1, C::MQ>(c * C::MQ + mm, byte_of(cc.k[h][0], mm))];
+          sb += lut[quarter_unit<1, C::MQ>(c * C::MQ + mm, byte_of(cc.k[h][1], mm))];
+        }
+        sa += __shfl_xor_sync(0xffffffffu, sa, 1);
+        sb += __shfl_xor_sync(0xffffffffu, sb, 1);
+        sa += __shfl_xor_sync(0xffffffffu, sa, 2);
+        sb += __shfl_xor_sync(0xffffffffu, sb, 2);
+        acc[0] = acc[1] = sa;
+        acc[2] = acc[3] = sb;
+      } else {
+        uint32_t ka[C::KW], kb[C::KW];
+        cta.template fetch_k<WIN>(cc, h, 0, pa, ka);
+        cta.template fetch_k<WIN>(cc, h, 1, pb, kb);
+#pragma unroll
+        for (int j = 0; j < D / 16; ++j) {
+          const uint32_t fa[4] = {ka[2 * j], kb[2 * j], ka[2 * j + 1], kb[2 * j + 1]};
+          mma<T>(acc, fa, qf[2 * j], qf[2 * j + 1]);
+        }
       }
       const bool va = pa >= t_begin && pa < t_end, vb = pb >= t_begin && pb < t_end;
       s[h][0] = va ? acc[0] * scale : -CUDART_INF_F;
@@ -315,7 +365,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_kernel(DecodeArgs a)
     l_run[e] += __shfl_xor_sync(0xffffffffu, l_run[e], 16);
   }
   __syncthreads();  // codebook reads are over: reuse shared memory
-  float* red = reinterpret_cast<float*>(smem);  // [warp][head][D + 2]
+  float* red = reinterpret_cast<float*>(pq_smem);  // [warp][head][D + 2]
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
     float* dst = red + (warp * kHeadsPerCta + 2 * c + e) * (D + 2);
@@ -349,16 +399,26 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_kernel(DecodeArgs a)
   }
 }
 
-template <typename T, int D, int M>
-cudaError_t launch_decode(const DecodeArgs& a, cudaStream_t stream) {
+template <typename T, int D, int M, bool LUT>
+cudaError_t launch_kernel(const DecodeArgs& a, cudaStream_t stream) {
   using C = DecodeCfg<T, D, M>;
   static const cudaError_t attr = cudaFuncSetAttribute(
-      decode_kernel<T, D, M>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
+      decode_kernel<T, D, M, LUT>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
   if (attr != cudaSuccess) return attr;
   const int group = a.num_heads / a.num_kv_heads;
   dim3 grid(a.num_splits + 1, a.num_kv_heads * ceil_div(group, kHeadsPerCta), a.num_reqs);
-  decode_kernel<T, D, M><<<grid, kDecodeThreads, C::kSmem, stream>>>(a);
+  decode_kernel<T, D, M, LUT><<<grid, kDecodeThreads, C::kSmem, stream>>>(a);
   return cudaGetLastError();
+}
+
+// a.lut asks for lookup-table scores; they exist for one query head per KV head with the
+// codebooks in shared memory, else the MMA path runs.
+template <typename T, int D, int M>
+cudaError_t launch_decode(const DecodeArgs& a, cudaStream_t stream) {
+  if constexpr (DecodeCfg<T, D, M>::kCbSmem) {
+    if (a.lut && a.num_heads == a.num_kv_heads) return launch_kernel<T, D, M, true>(a, stream);
+  }
+  return launch_kernel<T, D, M, false>(a, stream);
 }
 
 }  // namespace pq

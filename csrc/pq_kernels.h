@@ -54,6 +54,7 @@ struct DecodeArgs {
   int num_reqs, num_heads, num_kv_heads, head_dim, m;
   int num_splits;  // codes splits; one more slot holds the window
   float scale;
+  bool lut;       // score through Q.centroid lookup tables where supported (see pq_decode.cuh)
   float* ws_o;    // [R, Hq, num_splits + 1, D]
   float* ws_lse;  // [R, Hq, num_splits + 1] (log2 domain)
   DType dtype;

@@ -8,6 +8,12 @@ events after warm-up; inputs rotate across copies so that small cases are not se
 from L2. Random data everywhere (no zeros).
 
     python eval/bench_decode.py --out eval/results/decode_kernel.json
+
+--g-sweep instead compares the two ways of scoring keys, tensor-core MMA over K
+dequantized from the codebook vs Q.centroid lookup tables (LUT, built for g = 1 only),
+at g = 1, 4, 8 query heads per KV head (8 KV heads), with FA3 at the same shapes:
+
+    python eval/bench_decode.py --g-sweep --out eval/results/decode_g_sweep.json
 """
 
 from __future__ import annotations
@@ -66,47 +72,48 @@ def copies_for(nbytes: int) -> int:
     return max(1, min(8, math.ceil(L2_FLUSH / max(nbytes, 1))))
 
 
-def bench_pq(batch, ctx, m, gen):
+def bench_pq(batch, ctx, m, gen, hq=HQ, hkv=HKV, lut=False):
     from vllm_pq_backend import ops
     from vllm_pq_backend.layout import PageLayout
 
     assert ops.kernels_available(), "build the CUDA kernels first"
     lay = PageLayout(PQ_BLOCK, m)
-    code_bytes = batch * ctx * HKV * 2 * m
+    code_bytes = batch * ctx * hkv * 2 * m
     n = copies_for(code_bytes)
     tables, blocks = block_table(batch, ctx, PQ_BLOCK, n, gen)
-    cache = torch.randint(0, 256, (blocks, HKV, PQ_BLOCK, 2 * m), dtype=torch.uint8,
+    cache = torch.randint(0, 256, (blocks, hkv, PQ_BLOCK, 2 * m), dtype=torch.uint8,
                           device="cuda", generator=gen)
     bf16 = dict(device="cuda", generator=gen, dtype=torch.bfloat16)
-    cb = [torch.randn(HKV, m, 256, D // m, **bf16) for _ in range(2)]
+    cb = [torch.randn(hkv, m, 256, D // m, **bf16) for _ in range(2)]
     rows = torch.arange(batch, dtype=torch.int32, device="cuda")
-    win = [torch.randn(batch, HKV, WINDOW, D, **bf16) for _ in range(2)]
-    q = torch.randn(batch, HQ, D, **bf16)
+    win = [torch.randn(batch, hkv, WINDOW, D, **bf16) for _ in range(2)]
+    q = torch.randn(batch, hq, D, **bf16)
     out = torch.empty_like(q)
     seq = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-    splits = ops.num_splits_for(batch, HKV, torch.cuda.get_device_properties(0).multi_processor_count)
-    ws_o = torch.empty(batch * HQ * (splits + 1) * D, device="cuda")
-    ws_lse = torch.empty(batch * HQ * (splits + 1), device="cuda")
+    splits = ops.num_splits_for(batch, hkv, torch.cuda.get_device_properties(0).multi_processor_count)
+    ws_o = torch.empty(batch * hq * (splits + 1) * D, device="cuda")
+    ws_lse = torch.empty(batch * hq * (splits + 1), device="cuda")
 
     def run(i):
         torch.ops.pq_backend.decode(out, q, cache, tables[i], seq, cb[0], cb[1], win[0], win[1],
-                                    rows, WINDOW, splits, D**-0.5, ws_o, ws_lse, *lay.kernel_args())
+                                    rows, WINDOW, splits, D**-0.5, lut, ws_o, ws_lse,
+                                    *lay.kernel_args())
 
     us = timed(run, n)
-    must_read = code_bytes + 2 * HKV * 256 * D * 2  # codes + codebooks once
+    must_read = code_bytes + 2 * hkv * 256 * D * 2  # codes + codebooks once
     return us, must_read, splits
 
 
-def bench_fa3(batch, ctx, block, gen):
+def bench_fa3(batch, ctx, block, gen, hq=HQ, hkv=HKV):
     from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
 
-    kv_bytes = batch * ctx * HKV * D * 2 * 2
+    kv_bytes = batch * ctx * hkv * D * 2 * 2
     n = copies_for(kv_bytes)
     tables, blocks = block_table(batch, ctx, block, n, gen)
     bf16 = dict(device="cuda", generator=gen, dtype=torch.bfloat16)
-    k = torch.randn(blocks, block, HKV, D, **bf16)
-    v = torch.randn(blocks, block, HKV, D, **bf16)
-    q = torch.randn(batch, HQ, D, **bf16)
+    k = torch.randn(blocks, block, hkv, D, **bf16)
+    v = torch.randn(blocks, block, hkv, D, **bf16)
+    q = torch.randn(batch, hq, D, **bf16)
     out = torch.empty_like(q)
     cu_q = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
     seq = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
@@ -149,16 +156,50 @@ def bench_turboquant(batch, ctx, gen):
     return us, batch * ctx * HKV * slot
 
 
+def g_sweep(args, gen) -> list[dict]:
+    """MMA vs LUT scores at g = 1, 4, 8 (8 KV heads), FA3 alongside."""
+    rows = []
+    print("g context batch  M | mma_us  lut_us  fa3_us | lut/mma  x_fa3(best)")
+    for g in (1, 4, 8):
+        for ctx in args.contexts:
+            for batch in args.batches:
+                fa = min(bench_fa3(batch, ctx, blk, gen, hq=8 * g, hkv=8)[0] for blk in (16, 128))
+                for m in args.m:
+                    mma, _, splits = bench_pq(batch, ctx, m, gen, hq=8 * g, hkv=8, lut=False)
+                    lut = bench_pq(batch, ctx, m, gen, hq=8 * g, hkv=8, lut=True)[0] if g == 1 else None
+                    best = min(mma, lut or mma)
+                    rows.append(dict(g=g, context=ctx, batch=batch, M=m, mma_us=round(mma, 2),
+                                     lut_us=lut and round(lut, 2), fa3_us=round(fa, 2),
+                                     speedup_vs_fa3=round(fa / best, 3), splits=splits))
+                    print(f"{g} {ctx:7d} {batch:5d} {m:3d} | {mma:7.1f} {lut or float('nan'):7.1f} {fa:7.1f} | "
+                          f"{(lut or float('nan')) / mma:6.3f} {fa / best:6.2f}", flush=True)
+    return rows
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384, 32768, 65536, 131072])
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    p.add_argument("--contexts", type=int, nargs="+")
+    p.add_argument("--batches", type=int, nargs="+")
     p.add_argument("--m", type=int, nargs="+", default=[64, 32])
+    p.add_argument("--g-sweep", action="store_true", help="MMA vs LUT scores at g = 1, 4, 8")
     p.add_argument("--out", default="eval/results/decode_kernel.json")
     args = p.parse_args()
+    if args.contexts is None:
+        args.contexts = [4096, 32768] if args.g_sweep else [1024, 4096, 16384, 32768, 65536, 131072]
+    if args.batches is None:
+        args.batches = [1, 8, 32] if args.g_sweep else [1, 8, 32, 64]
     import vllm
 
     gen = torch.Generator(device="cuda").manual_seed(0)
+    stamp = dict(device=torch.cuda.get_device_name(), vllm=vllm.__version__, torch=torch.__version__,
+                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                 command="python " + " ".join(sys.argv))
+    if args.g_sweep:
+        rows = g_sweep(args, gen)
+        with open(args.out, "w") as f:
+            json.dump(dict(stamp, head_dim=D, kv_heads=8, pq_block=PQ_BLOCK, window=WINDOW, rows=rows), f, indent=1)
+        print(f"wrote {args.out}")
+        return 0
     copy_gbs = copy_bandwidth()
     rows = []
     print(f"device {torch.cuda.get_device_name()}, copy {copy_gbs:.0f} GB/s (read+write)", flush=True)
@@ -183,14 +224,10 @@ def main() -> int:
                 ))
                 print(f"{ctx:7d} {batch:5d} {m:3d} | {us:9.1f} {fa16:8.1f}/{fa128:<8.1f} {tq:8.1f} | "
                       f"{fa / us:5.2f} {tq / us:5.2f} | {gbs:7.0f} ({100 * gbs / copy_gbs:4.1f}%)", flush=True)
-    result = dict(
-        device=torch.cuda.get_device_name(), vllm=vllm.__version__, torch=torch.__version__,
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        command="python " + " ".join(sys.argv), shapes=dict(q_heads=HQ, kv_heads=HKV, head_dim=D,
-        pq_block=PQ_BLOCK, window=WINDOW), copy_gbs=round(copy_gbs, 1), rows=rows,
-    )
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+        result = dict(stamp, shapes=dict(q_heads=HQ, kv_heads=HKV, head_dim=D, pq_block=PQ_BLOCK,
+                      window=WINDOW), copy_gbs=round(copy_gbs, 1), rows=rows)
+        with open(args.out, "w") as f:  # after each context: a cut-short run keeps its rows
+            json.dump(result, f, indent=1)
     print(f"wrote {args.out}")
     return 0
 

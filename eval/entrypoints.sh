@@ -33,9 +33,13 @@ for o in out:
     print("generate:", repr(o.prompt), "->", repr(o.outputs[0].text))
 PY
 
+# lm-eval prints its table only at exit (one run printed nothing in 6 minutes): results
+# also go to a file, the engine runs in-process (no engine-core subprocess to wait for at
+# shutdown), output is line-buffered, and a timeout bounds each run.
 for backend in CUSTOM FLASH_ATTN; do
   echo "== 3. lm_eval --model vllm ... attention_backend=$backend"
-  HF_DATASETS_OFFLINE=1 lm_eval --model vllm \
+  VLLM_ENABLE_V1_MULTIPROCESSING=0 HF_DATASETS_OFFLINE=1 timeout 900 lm_eval --model vllm \
     --model_args "pretrained=$MODEL,attention_backend=$backend,max_model_len=2048,gpu_memory_utilization=0.3" \
-    --tasks pq_heldout --include_path eval/lm_eval --limit 12 2>&1 | grep -E "^\|" || true
+    --tasks pq_heldout --include_path eval/lm_eval --limit 12 \
+    --output_path "$(dirname "$LOG")/lm_eval_$backend" 2>&1 | grep --line-buffered -E "^\||Error" || true
 done

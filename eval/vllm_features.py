@@ -1,9 +1,15 @@
 """CUSTOM under what vLLM's scheduler does, on SmolLM2-135M, greedy: each variant's
-outputs against the same baseline (CUDA graphs, prefix caching, async scheduling).
+outputs against the same backend's baseline (CUDA graphs, prefix caching, async
+scheduling), and FLASH_ATTN under the same variants as the control: vLLM is not
+batch-invariant, so a variant that changes GEMM shapes (chunking, eager, preemption's
+recompute) moves K/V in their last bits under any backend.
 
 Variants: prefix caching off; chunked prefill with a 64-token budget; preemption forced
 with a tiny KV cache; enforce_eager (no CUDA graphs). Prompts share long prefixes (so
 prefix caching hits full blocks) and their lengths straddle block and window edges.
+For each divergence the baseline's log-probability margin between its token and the
+variant's token at the first differing step says whether it was a near-tie (numerics)
+or a confident token changed (a bug).
 
     python eval/vllm_features.py --model .model/smollm2 --heldout .model/text/heldout.jsonl
 """
@@ -24,7 +30,7 @@ VARIANTS = {
     "baseline": {},
     "no_prefix_caching": {"enable_prefix_caching": False},
     "chunked_prefill_64": {"max_num_batched_tokens": 64, "enable_chunked_prefill": True},
-    "preemption": {"num_gpu_blocks_override": 24},
+    "preemption": {"num_gpu_blocks_override": 24},  # blocks of 128 tokens, see run()
     "enforce_eager": {"enforce_eager": True},
 }
 
@@ -41,22 +47,26 @@ def prompts_from(path, tokenizer, n_groups, per_group):
     return out
 
 
-def run(name, overrides, args, prompts):
+def run(backend, name, overrides, args, prompts):
     import torch
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    kw = dict(model=args.model, attention_backend=args.backend, max_model_len=2048,
+    kw = dict(model=args.model, attention_backend=backend, max_model_len=2048,
               gpu_memory_utilization=0.3, seed=0, max_num_seqs=32, disable_log_stats=False,
               compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]})
-    if args.backend == "CUSTOM":
+    if backend == "CUSTOM":
         kw["additional_config"] = {"pq": {"m": args.m, "window": args.window}}
     kw.update(overrides)
+    if "num_gpu_blocks_override" in overrides and backend != "CUSTOM":
+        # The same 3,072-token KV budget in FLASH_ATTN's 16-token blocks (CUSTOM uses 128).
+        kw["num_gpu_blocks_override"] = overrides["num_gpu_blocks_override"] * 128 // 16
     t0 = time.time()
     llm = LLM(**kw)
     vc = llm.llm_engine.vllm_config
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                        SamplingParams(max_tokens=args.gen_tokens, temperature=0.0), use_tqdm=False)
+                        SamplingParams(max_tokens=args.gen_tokens, temperature=0.0, logprobs=5),
+                        use_tqdm=False)
     metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
     info = dict(
         variant=name, overrides=overrides, seconds=round(time.time() - t0, 1),
@@ -68,17 +78,33 @@ def run(name, overrides, args, prompts):
         prefix_cache_hits=metrics.get("vllm:prefix_cache_hits"),
     )
     tokens = [list(o.outputs[0].token_ids) for o in outs]
+    logprobs = [[{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs]
+                for o in outs]
     del llm
     gc.collect()
     torch.cuda.empty_cache()
-    return info, tokens
+    return info, tokens, logprobs
+
+
+def compare(tokens, base, base_lp):
+    """Identical outputs, and for each divergence its step and the baseline's margin
+    logp(baseline token) - logp(variant token) there (None: not in the baseline's top 5)."""
+    same = sum(a == b for a, b in zip(tokens, base))
+    divs = []
+    for a, b, lp in zip(tokens, base, base_lp):
+        i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if i is None:
+            continue
+        alt = lp[i].get(a[i])
+        divs.append(dict(step=i, margin=None if alt is None else round(lp[i][b[i]] - alt, 4)))
+    return f"{same}/{len(base)}", divs
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)
     p.add_argument("--heldout", required=True)
-    p.add_argument("--backend", default="CUSTOM")
+    p.add_argument("--backends", nargs="+", default=["CUSTOM", "FLASH_ATTN"])
     p.add_argument("--m", type=int, default=32)
     p.add_argument("--window", type=int, default=128)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS))
@@ -86,35 +112,38 @@ def main() -> int:
     p.add_argument("--out", default="eval/results/vllm_features.json")
     args = p.parse_args()
 
-    import torch
-    import vllm
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(args.model)
     prompts = prompts_from(args.heldout, tok, 8, 3)
-    rows, base = [], None
-    for name in args.variants:
-        info, tokens = run(name, VARIANTS[name], args, prompts)
-        if base is None:
-            base = tokens
-        same = [a == b for a, b in zip(tokens, base)]
-        info["identical_to_baseline"] = f"{sum(same)}/{len(same)}"
-        info["first_divergence"] = [
-            next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-            for a, b in zip(tokens, base) if a != b
-        ]
-        rows.append(info)
-        print(json.dumps(info), flush=True)
+    rows = []
+    for backend in args.backends:
+        base = base_lp = None
+        for name in args.variants:
+            info, tokens, lp = run(backend, name, VARIANTS[name], args, prompts)
+            if base is None:
+                base, base_lp = tokens, lp
+            info["backend"] = backend
+            info["identical_to_baseline"], info["divergences"] = compare(tokens, base, base_lp)
+            rows.append(info)
+            print(json.dumps(info), flush=True)
+            write(args, prompts, rows)  # after each variant: a cut-short run keeps its rows
+    return 0
+
+
+def write(args, prompts, rows):
+    import torch
+    import vllm
+
     result = dict(
         device=torch.cuda.get_device_name(), vllm=vllm.__version__, torch=torch.__version__,
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        command="python " + " ".join(sys.argv), backend=args.backend, m=args.m, window=args.window,
+        command="python " + " ".join(sys.argv), m=args.m, window=args.window, gen_tokens=args.gen_tokens,
         prompts=len(prompts), prompt_lens=[len(x) for x in prompts], rows=rows,
     )
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
-    return 0
 
 
 if __name__ == "__main__":

@@ -101,10 +101,12 @@ def test_prefix_hit_reads_shared_blocks_through_codes(model_factory, target):
     check(sim, sim.step([(1, 1)]), 32)
 
 
+@pytest.mark.parametrize("grouped", [False, True])
 @pytest.mark.parametrize("window", [0, 32, 64])
-def test_flash_attention_prefill_plan(model_factory, monkeypatch, window):
+def test_flash_attention_prefill_plan(model_factory, monkeypatch, window, grouped):
     """The GPU prefill path (FlashAttention over dequantized pages, window segments merged
-    by LSE), run here with a PyTorch stand-in for flash_attn_varlen_func."""
+    by LSE), run here with a PyTorch stand-in for flash_attn_varlen_func; grouped: a page
+    budget of one block puts every prefill request in a group of its own."""
     from helpers import varlen_sdpa
 
     from vllm_pq_backend import ops
@@ -114,6 +116,8 @@ def test_flash_attention_prefill_plan(model_factory, monkeypatch, window):
     vc = vllm_config(model, block_size=64, pq={"window": window})
     sim = Sim(vc, seed=11)
     sim.tol = TARGETS["cpu"][1]
+    if grouped:
+        sim.builder.prefill_page_tokens = 64
     for rid in range(3):
         sim.add(rid)
     check(sim, sim.step([(0, 100), (1, 7)]), window)

@@ -155,6 +155,22 @@ def test_impl_refuses_wrong_codebooks(tmp_path):
             PQAttentionImpl(4, 64, 0.125, 2)
 
 
+def test_prefill_groups_bound_dequantized_pages():
+    """Consecutive prefill requests share a group while (requests x widest history) fits
+    the page budget; a request wider than the budget still gets a group."""
+    from vllm_pq_backend.metadata import plan_prefills
+
+    seq = np.array([100, 30, 300, 10])
+    qsl = np.array([5, 105, 110, 120, 130])  # global rows, after 5 decode tokens
+    table = torch.arange(4 * 10, dtype=torch.int32).view(4, 10)
+    plans = plan_prefills(qsl, seq, table, 32, 0, None, "cpu", page_tokens=256)
+    assert [(p.req_start, p.req_end) for p in plans] == [(0, 2), (2, 3), (3, 4)]
+    assert [(p.tok_start, p.tok_end) for p in plans] == [(0, 105), (105, 115), (115, 125)]
+    assert plans[0].block_ids.tolist() == [0, 1, 2, 3, 10, 11, 12, 13]  # padded to 4 blocks
+    assert plans[1].block_ids.numel() == 10 and plans[2].seq_lens_cpu == [10]
+    assert sum(len(p.seq_lens_cpu) for p in plans) == 4
+
+
 def test_builder_on_common_metadata(model_factory):
     """Decode/prefill split, window rows and the prefill plan from CommonAttentionMetadata."""
     from vllm.config import set_current_vllm_config
@@ -182,7 +198,7 @@ def test_builder_on_common_metadata(model_factory):
     md = builder.build(0, cam)
     assert (md.num_decodes, md.num_decode_tokens, md.num_prefills) == (2, 2, 1)
     assert md.req_rows.tolist() == [4, 0, 9]
-    p = md.prefill
+    (p,) = md.prefills
     assert p.query_start_loc_cpu == [0, 50] and p.seq_lens_cpu == [70]
     assert p.block_ids.tolist() == [6, 7, 8]
     # positions 20..69 in windows [0,32) [32,64) [64,96): three segments

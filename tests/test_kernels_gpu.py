@@ -24,7 +24,7 @@ def codebook(heads, m, ds, dtype, gen):
     return (torch.randn(heads, m, 256, ds, generator=gen) * 0.7).to(dtype).to(DEV)
 
 
-def paged_case(lens, *, d, m, g, hkv, block, dtype, window, seed):
+def paged_case(lens, *, d, m, g, hkv, block, dtype, window, seed, lut=False):
     gen = torch.Generator().manual_seed(seed)
     lay = PageLayout(block, m)
     need = [math.ceil(n / block) for n in lens]
@@ -45,7 +45,7 @@ def paged_case(lens, *, d, m, g, hkv, block, dtype, window, seed):
         k_cb=codebook(hkv, m, d // m, dtype, gen), v_cb=codebook(hkv, m, d // m, dtype, gen),
         win_k=torch.randn(max(8, len(lens)), hkv, w, d, generator=gen).to(DEV, dtype),
         win_v=torch.randn(max(8, len(lens)), hkv, w, d, generator=gen).to(DEV, dtype),
-        window=window, scale=d**-0.5,
+        window=window, scale=d**-0.5, lut=lut,
     )
     return case
 
@@ -57,7 +57,7 @@ def run_kernel(c, splits):
     ws_lse = torch.full((r * hq * (splits + 1),), float("nan"), device=DEV)
     torch.ops.pq_backend.decode(
         out, c["q"], c["cache"], c["table"], c["seq"], c["k_cb"], c["v_cb"], c["win_k"],
-        c["win_v"], c["rows"], c["window"], splits, c["scale"], ws_o, ws_lse,
+        c["win_v"], c["rows"], c["window"], splits, c["scale"], c["lut"], ws_o, ws_lse,
         *c["lay"].kernel_args(),
     )
     return out
@@ -86,19 +86,24 @@ def check(c, splits, tol):
 MIXED = [1, 2, 31, 32, 33, 200, 1500, 4099]
 
 
+# g = 1 with lut: scores from Q.centroid tables (head_dim 256 falls back to the MMAs).
+@pytest.mark.parametrize("g,lut", [(4, False), (1, True)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("d,m", [(64, 8), (64, 16), (64, 32), (128, 16), (128, 32), (128, 64),
                                  (256, 32), (256, 64), (256, 128)])
-def test_decode_head_dims_and_m(d, m, dtype):
-    c = paged_case(MIXED, d=d, m=m, g=4, hkv=2, block=128, dtype=dtype, window=0, seed=d + m)
+def test_decode_head_dims_and_m(d, m, dtype, g, lut):
+    c = paged_case(MIXED, d=d, m=m, g=g, hkv=2, block=128, dtype=dtype, window=0, seed=d + m,
+                   lut=lut)
     check(c, splits=3, tol=TOL[dtype])
 
 
+# lut asks for tables; for g > 1 the kernel keeps the MMA scores.
+@pytest.mark.parametrize("lut", [False, True])
 @pytest.mark.parametrize("g", [1, 2, 3, 4, 8, 12])
 @pytest.mark.parametrize("block,window", [(32, 0), (32, 32), (128, 0), (128, 32), (128, 128), (256, 64)])
-def test_decode_gqa_blocks_windows(g, block, window):
+def test_decode_gqa_blocks_windows(g, block, window, lut):
     c = paged_case(MIXED, d=128, m=32, g=g, hkv=2, block=block, dtype=torch.bfloat16,
-                   window=window, seed=g * 1000 + block + window)
+                   window=window, seed=g * 1000 + block + window, lut=lut)
     check(c, splits=4, tol=TOL[torch.bfloat16])
 
 
@@ -124,7 +129,7 @@ def test_decode_replays_in_a_cuda_graph():
     ws_o = torch.empty(r * hq * 5 * d, device=DEV)
     ws_lse = torch.empty(r * hq * 5, device=DEV)
     args = lambda: (out, c["q"], c["cache"], c["table"], c["seq"], c["k_cb"], c["v_cb"],  # noqa: E731
-                    c["win_k"], c["win_v"], c["rows"], 128, 4, c["scale"], ws_o, ws_lse,
+                    c["win_k"], c["win_v"], c["rows"], 128, 4, c["scale"], False, ws_o, ws_lse,
                     *c["lay"].kernel_args())
     torch.ops.pq_backend.decode(*args())  # warm up outside the capture
     graph = torch.cuda.CUDAGraph()

@@ -11,7 +11,7 @@ from . import codebooks, ops
 from .backend import configured_m
 from .config import PQConfig, current_pq_config
 from .layout import PageLayout
-from .metadata import PQMetadata
+from .metadata import PQMetadata, prefill_page_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +40,12 @@ class LayerState:
         self.hq, self.d, self.device = impl.num_heads, impl.head_size, device
         # Allocated now (the profiling run), never during CUDA graph capture.
         self.workspace(impl.max_decode_batch, self.hq, ops.MAX_SPLITS + 1)
+        # The profiling run's peak must include a prefill group's transient pages, so that
+        # vLLM leaves room for them when it sizes the KV cache.
+        if torch.device(device).type == "cuda":
+            pages = prefill_page_tokens(impl.max_model_len, impl.block_size)
+            nbytes = ops.prefill_scratch_bytes(pages, impl.num_kv_heads, self.d, info.m)
+            torch.empty(nbytes, dtype=torch.uint8, device=device)  # freed at once: the peak counts
 
     def workspace(self, n: int, hq: int, splits: int):
         """Split results of the decode kernel, shared by all layers of the process."""
@@ -98,6 +104,7 @@ class PQAttentionImpl(AttentionImpl[PQMetadata]):
         # vLLM settles the block size after the model is built: read it when first used.
         self._cache_config = vc.cache_config
         self.max_num_seqs = vc.scheduler_config.max_num_seqs
+        self.max_model_len = vc.model_config.max_model_len
         # CUDA graphs pad decode batches up to a capture size, which can pass max_num_seqs
         sizes = vc.compilation_config.cudagraph_capture_sizes or []
         self.max_decode_batch = max([self.max_num_seqs, *sizes])

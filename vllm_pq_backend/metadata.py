@@ -20,11 +20,22 @@ from .config import PQConfig
 from .layout import window_start
 
 MAX_QUERY_HEADS_PER_CTA = 8  # the decode kernel's MMA covers 8 query heads
+MIN_PREFILL_PAGE_TOKENS = 65536
+
+
+def prefill_page_tokens(max_model_len: int, block_size: int) -> int:
+    """Tokens of history one prefill group may dequantize (at least one longest request):
+    bounds the transient bf16 pages of a step whose prefills bring long histories (prefix
+    hits, later chunks), e.g. 64 requests at 32K would otherwise need 4 GiB per layer."""
+    tokens = max(max_model_len, MIN_PREFILL_PAGE_TOKENS)
+    return -(-tokens // block_size) * block_size
 
 
 @dataclass
 class PrefillPlan:
-    """Prefill rows (after the decodes), in prefill-local token numbering."""
+    """A group of prefill requests (consecutive, after the decodes), in group-local token
+    numbering; the group holds rows ``tok_start:tok_end`` and requests
+    ``req_start:req_end`` counted from the first prefill."""
 
     num_prefills: int
     query_start_loc_cpu: list[int]
@@ -50,6 +61,10 @@ class PrefillPlan:
     win_tokens: torch.Tensor | None = None  # rows written to the window store afterwards
     win_rows: torch.Tensor | None = None
     win_pos: torch.Tensor | None = None
+    tok_start: int = 0
+    tok_end: int = 0
+    req_start: int = 0
+    req_end: int = 0
 
 
 @dataclass
@@ -68,7 +83,7 @@ class PQMetadata(AttentionMetadata):
     req_rows: torch.Tensor | None
     req_rows_cpu: list[int] | None
     num_splits: int
-    prefill: PrefillPlan | None
+    prefills: list[PrefillPlan]
 
 
 def _i32(x, device):
@@ -147,6 +162,25 @@ def plan_prefill(
     return plan
 
 
+def plan_prefills(qsl, seq_lens, block_table, block_size, window, rows, device, page_tokens):
+    """Prefill requests split into consecutive groups whose dequantized pages (padded to
+    the group's longest history) stay within ``page_tokens``; one plan per group."""
+    plans, i, n = [], 0, len(seq_lens)
+    blocks = -(-seq_lens.astype(np.int64) // block_size)
+    while i < n:
+        j, widest = i + 1, blocks[i]
+        while j < n and (j + 1 - i) * max(widest, blocks[j]) * block_size <= page_tokens:
+            widest = max(widest, blocks[j])
+            j += 1
+        p = plan_prefill(qsl[i : j + 1], seq_lens[i:j], block_table[i:j], block_size, window,
+                         rows[i:j] if rows is not None else None, device)
+        p.tok_start, p.tok_end = int(qsl[i] - qsl[0]), int(qsl[j] - qsl[0])
+        p.req_start, p.req_end = i, j
+        plans.append(p)
+        i = j
+    return plans
+
+
 class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
     # Decode-only batches run the CUDA decode kernel on persistent buffers; batches
     # with prefill plan on the CPU and stay eager.
@@ -171,6 +205,8 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
         # Rows of CUDA-graph padding requests point at the store's scratch row
         # (max_num_seqs), so their window writes never touch a live request's rows.
         self.scratch_row = sched.max_num_seqs
+        max_len = vllm_config.model_config.max_model_len if vllm_config.model_config else 0
+        self.prefill_page_tokens = prefill_page_tokens(max_len, self.block_size)
         size = max(sched.max_num_seqs, sched.max_num_batched_tokens)
         self.req_rows = torch.full((size,), self.scratch_row, dtype=torch.int32, device=device)
         dev = torch.device(device)
@@ -213,9 +249,9 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
             rows[: len(real)] = real
             self.req_rows[:n].copy_(torch.from_numpy(rows), non_blocking=True)
             rows_cpu = rows.tolist()
-        prefill = None
+        prefills = []
         if npf:
-            prefill = plan_prefill(
+            prefills = plan_prefills(
                 qsl_cpu[nd:].numpy(),
                 seq_cpu[nd:].numpy(),
                 cam.block_table_tensor[nd:n],
@@ -223,6 +259,7 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
                 self.window,
                 rows_cpu[nd:] if rows_cpu is not None else None,
                 self.device,
+                self.prefill_page_tokens,
             )
         return PQMetadata(
             num_reqs=n,
@@ -239,5 +276,5 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
             req_rows=self.req_rows[:n],
             req_rows_cpu=rows_cpu,
             num_splits=ops.num_splits_for(nd, self.ctas_per_split, self.num_sms),
-            prefill=prefill,
+            prefills=prefills,
         )

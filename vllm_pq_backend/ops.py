@@ -56,6 +56,14 @@ def _flash_attn():
     return flash_attn_varlen_func, get_flash_attn_version
 
 
+def lut_scores(num_heads: int, num_kv_heads: int, head_dim: int, m: int) -> bool:
+    """Score keys through Q.centroid lookup tables instead of dequantized K on tensor
+    cores: only one query head per KV head can use them, and they won 1-7% over the MMAs
+    with 4+ dims per subspace and lost 4-10% with 2 (eval/results/decode_g_sweep.json).
+    The kernel keeps the MMAs for head_dim 256 (its codebooks stay in global memory)."""
+    return num_heads == num_kv_heads and head_dim // m >= 4
+
+
 def num_splits_for(num_decodes: int, ctas_per_split: int, num_sms: int) -> int:
     """Codes splits per (request, KV head group), from the batch alone (so a CUDA graph
     captured for a batch size is right for any context; empty splits exit early).
@@ -107,7 +115,8 @@ def decode(out, query, key, value, kv_cache, md, state, scale: float) -> None:
             state.k_cb, state.v_cb,
             state.win_k if w > 0 else empty, state.win_v if w > 0 else empty,
             md.req_rows[:nd] if w > 0 else md.seq_lens.new_empty(0),
-            w, md.num_splits, scale, ws_o, ws_lse, *state.layout.kernel_args(),
+            w, md.num_splits, scale, lut_scores(hq, state.k_cb.shape[0], state.d, state.layout.m),
+            ws_o, ws_lse, *state.layout.kernel_args(),
         )
         return
     res = reference.attention(
@@ -144,30 +153,39 @@ def _merge(o1, lse1, o2, lse2):
 
 
 def prefill(out, query, key, value, kv_cache, md, state, scale: float) -> None:
-    """Queries of rows ``md.num_decode_tokens:`` (prefill and chunked-prefill rows)."""
-    p = md.prefill
-    t0 = md.num_decode_tokens
+    """Queries of rows ``md.num_decode_tokens:`` (prefill and chunked-prefill rows), one
+    group of requests at a time (metadata.plan_prefills bounds each group's pages)."""
     fa = flash_attn_for(query)
-    if fa is None:
-        res = reference.attention(
-            query[t0:], key[t0:], value[t0:], kv_cache, state.k_cb32, state.v_cb32,
-            state.layout, p.query_start_loc_cpu, p.seq_lens_cpu,
-            md.block_table[md.num_decodes :], scale, state.window,
-            state.win_k, state.win_v, p.rows_cpu,
-        )
-        out[t0:] = res.to(out.dtype)
-    else:
-        _prefill_fa(fa, out[t0:], query[t0:], key[t0:], value[t0:], kv_cache, md, state, scale)
-    if state.window > 0 and p.win_tokens.numel():
-        reference.window_write(
-            state.win_k, state.win_v, key[t0:][p.win_tokens], value[t0:][p.win_tokens],
-            p.win_rows, p.win_pos, state.window,
-        )
+    for p in md.prefills:
+        rows = slice(md.num_decode_tokens + p.tok_start, md.num_decode_tokens + p.tok_end)
+        q, k, v = query[rows], key[rows], value[rows]
+        if fa is None:
+            table = md.block_table[md.num_decodes + p.req_start : md.num_decodes + p.req_end]
+            res = reference.attention(
+                q, k, v, kv_cache, state.k_cb32, state.v_cb32, state.layout,
+                p.query_start_loc_cpu, p.seq_lens_cpu, table, scale, state.window,
+                state.win_k, state.win_v, p.rows_cpu,
+            )
+            out[rows] = res.to(out.dtype)
+        else:
+            _prefill_fa(fa, p, out[rows], q, k, v, kv_cache, state, scale)
+        if state.window > 0 and p.win_tokens.numel():
+            reference.window_write(
+                state.win_k, state.win_v, k[p.win_tokens], v[p.win_tokens], p.win_rows,
+                p.win_pos, state.window,
+            )
 
 
-def _prefill_fa(fa, out, q, k, v, kv_cache, md, state, scale) -> None:
+def prefill_scratch_bytes(page_tokens: int, num_kv_heads: int, head_dim: int, m: int) -> int:
+    """Peak transient bytes of one prefill group's dequantized pages (dequant_pages): the
+    gathered code bytes, int64 code indices, and K/V in 16 bits before and after the
+    layout copy."""
+    per_head = 2 * m + 2 * (8 * m + 2 * 2 * head_dim)
+    return page_tokens * num_kv_heads * per_head
+
+
+def _prefill_fa(fa, p, out, q, k, v, kv_cache, state, scale) -> None:
     varlen, fa_version = fa
-    p = md.prefill
     kp, vp = dequant_pages(kv_cache, p.block_ids, state.k_cb, state.v_cb, state.layout)
     table = torch.arange(p.block_ids.numel(), device=q.device, dtype=torch.int32)
     table = table.view(p.num_prefills, -1)

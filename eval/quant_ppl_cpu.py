@@ -84,6 +84,8 @@ def main() -> int:
     p.add_argument("--windows", type=int, nargs="+", default=[0])
     p.add_argument("--docs", type=int, default=16)
     p.add_argument("--max-len", type=int, default=2048)
+    p.add_argument("--no-bos", action="store_true",
+                   help="documents start with their first text token (no BOS attention sink to pin)")
     p.add_argument("--out", default="eval/results/quant_ppl_cpu.json")
     a = p.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -93,7 +95,8 @@ def main() -> int:
     tok = AutoTokenizer.from_pretrained(a.model)
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
     docs = [json.loads(line)["text"] for line in open(a.heldout)][: a.docs]
-    docs = [([tok.bos_token_id] + tok(d, add_special_tokens=False)["input_ids"])[: a.max_len] for d in docs]
+    bos = [] if a.no_bos else [tok.bos_token_id]
+    docs = [(bos + tok(d, add_special_tokens=False)["input_ids"])[: a.max_len] for d in docs]
     base, n = perplexity(model, docs, None, 0)
     rows = [dict(codebooks=None, window=None, ppl=base)]
     print(f"unquantized: ppl {base:.4f} over {n} tokens", flush=True)
@@ -109,7 +112,8 @@ def main() -> int:
     with open(a.out, "w") as f:
         json.dump(dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                        command="python " + " ".join(sys.argv), device="cpu (transformers, float32)",
-                       torch=torch.__version__, tokens=n, documents=len(docs), rows=rows), f, indent=1)
+                       torch=torch.__version__, tokens=n, documents=len(docs), bos=not a.no_bos,
+                       rows=rows), f, indent=1)
     return 0
 
 

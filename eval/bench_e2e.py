@@ -132,13 +132,14 @@ def run(args) -> list[dict]:
 def table(path: str) -> str:
     rows = json.load(open(path))["rows"]
     by = {(r["backend"], r["context"]): r for r in rows}
-    out = ["| context | backend | KV capacity (tokens) | batch (fits) | decode tok/s | step ms | vs FLASH_ATTN |",
-           "|---|---|---|---|---|---|---|"]
+    out = ["| context | backend | KV capacity (tokens) | batch (fits) | decode tok/s | step ms | vs FLASH_ATTN "
+           "| prefill tok/s |", "|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["context"], r["backend"])):
         fa = by.get(("FLASH_ATTN", r["context"]))
         rel = f"{r['decode_tok_s'] / fa['decode_tok_s']:.2f}x" if fa and r.get("decode_tok_s") and fa.get("decode_tok_s") else ""
+        pf = f"{r['batch'] * r['context'] / r['prefill_s']:.0f}" if r.get("prefill_s") else ""
         out.append(f"| {r['context']} | {r['backend']} | {r['kv_capacity_tokens']:,} | {r['batch']} ({r['fits']}) "
-                   f"| {r.get('decode_tok_s', '')} | {r.get('step_ms', '')} | {rel} |")
+                   f"| {r.get('decode_tok_s', '')} | {r.get('step_ms', '')} | {rel} | {pf} |")
     return "\n".join(out)
 
 

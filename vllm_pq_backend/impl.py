@@ -42,10 +42,10 @@ class LayerState:
         self.workspace(impl.max_decode_batch, self.hq, ops.MAX_SPLITS + 1)
         # The profiling run's peak must include a prefill group's transient pages, so that
         # vLLM leaves room for them when it sizes the KV cache.
+        pages = prefill_page_tokens(impl.max_model_len, impl.block_size)
+        self.prefill_scratch = ops.prefill_scratch_bytes(pages, impl.num_kv_heads, self.d, info.m)
         if torch.device(device).type == "cuda":
-            pages = prefill_page_tokens(impl.max_model_len, impl.block_size)
-            nbytes = ops.prefill_scratch_bytes(pages, impl.num_kv_heads, self.d, info.m)
-            torch.empty(nbytes, dtype=torch.uint8, device=device)  # freed at once: the peak counts
+            torch.empty(self.prefill_scratch, dtype=torch.uint8, device=device)  # freed at once: the peak counts
 
     def workspace(self, n: int, hq: int, splits: int):
         """Split results of the decode kernel, shared by all layers of the process."""
@@ -186,8 +186,8 @@ def _log_memory(impl: PQAttentionImpl, st: LayerState) -> None:
         "vllm_pq_backend: M=%d, block %d, window %d, %d layers. KV pages: %d B/token "
         "(dense %s: %d B/token, %.1fx less). Window: %.2f MiB per running sequence, "
         "%.1f MiB for max_num_seqs=%d, allocated before the KV cache is sized. "
-        "Codebooks: %.1f MiB.",
+        "Codebooks: %.1f MiB. Prefill pages (transient, one layer): %.1f MiB.",
         st.layout.m, impl.block_size, st.window, layers, per_token, st.k_cb.dtype,
         dense, dense / per_token, win_seq / 2**20, win_seq * impl.max_num_seqs / 2**20,
-        impl.max_num_seqs, books / 2**20,
+        impl.max_num_seqs, books / 2**20, st.prefill_scratch / 2**20,
     )

@@ -58,8 +58,9 @@ def _flash_attn():
 
 def lut_scores(num_heads: int, num_kv_heads: int, head_dim: int, m: int) -> bool:
     """Score keys through Q.centroid lookup tables instead of dequantized K on tensor
-    cores: only one query head per KV head can use them, and they won 1-7% over the MMAs
-    with 4+ dims per subspace and lost 4-10% with 2 (eval/results/decode_g_sweep.json).
+    cores: only one query head per KV head can use them; with 4 dims per subspace they
+    took 0.93x the MMAs' time at 32K context (0.98-1.07x at 4K), with 2 dims 1.03-1.09x
+    (eval/results/decode_g_sweep.json).
     The kernel keeps the MMAs for head_dim 256 (its codebooks stay in global memory)."""
     return num_heads == num_kv_heads and head_dim // m >= 4
 

@@ -11,7 +11,12 @@ For each divergence the baseline's log-probability margin between its token and 
 variant's token at the first differing step says whether it was a near-tie (numerics)
 or a confident token changed (a bug).
 
+With --batch-invariant the same runs happen under VLLM_BATCH_INVARIANT=1, where vLLM's
+GEMMs and reductions do not depend on the batch and the backends promise the same for
+attention: every variant should then give identical outputs.
+
     python eval/vllm_features.py --model .model/smollm2 --heldout .model/text/heldout.jsonl
+    python eval/vllm_features.py ... --batch-invariant
 """
 
 from __future__ import annotations
@@ -109,8 +114,15 @@ def main() -> int:
     p.add_argument("--window", type=int, default=128)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS))
     p.add_argument("--gen-tokens", type=int, default=48)
-    p.add_argument("--out", default="eval/results/vllm_features.json")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="run under VLLM_BATCH_INVARIANT=1 (default --out: "
+                   "eval/results/vllm_features_batch_invariant.json)")
+    p.add_argument("--out")
     args = p.parse_args()
+    if args.batch_invariant:
+        os.environ["VLLM_BATCH_INVARIANT"] = "1"  # read when vLLM is imported, below
+    args.out = args.out or "eval/results/vllm_features{}.json".format(
+        "_batch_invariant" if args.batch_invariant else "")
 
     from transformers import AutoTokenizer
 
@@ -138,7 +150,7 @@ def write(args, prompts, rows):
     result = dict(
         device=torch.cuda.get_device_name(), vllm=vllm.__version__, torch=torch.__version__,
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        command="python " + " ".join(sys.argv), m=args.m, window=args.window, gen_tokens=args.gen_tokens,
+        command="python " + " ".join(sys.argv), batch_invariant=args.batch_invariant, m=args.m, window=args.window, gen_tokens=args.gen_tokens,
         prompts=len(prompts), prompt_lens=[len(x) for x in prompts], rows=rows,
     )
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

@@ -212,7 +212,7 @@ class Sim:
 
 def varlen_sdpa(q, k, v, cu_seqlens_q, max_seqlen_q, softmax_scale, causal, max_seqlen_k,
                 cu_seqlens_k=None, seqused_k=None, block_table=None, out=None,
-                return_softmax_lse=False, fa_version=None):
+                return_softmax_lse=False, fa_version=None, num_splits=0):
     """FlashAttention's varlen API (the subset the backend uses) in plain PyTorch:
     packed or paged K/V, bottom-right causal alignment, LSE ``[H, tokens]``."""
     nq, hq, d = q.shape

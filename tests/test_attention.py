@@ -12,13 +12,12 @@ from helpers import Sim, vllm_config
 TARGETS = {"cpu": (torch.float32, 2e-5), "cuda": (torch.bfloat16, 2e-2)}
 
 
-@pytest.fixture(
-    params=[
-        "cpu",
-        pytest.param("cuda", marks=pytest.mark.skipif(
-            not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the GPU machine)")),
-    ]
+ON_GPU = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the GPU machine)"
 )
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=ON_GPU)])
 def target(request):
     return request.param
 
@@ -69,6 +68,36 @@ def test_chunked_prefill_matches_token_by_token(model_factory, target, window):
     for other in ("chunks", "tokens"):
         err = (outs[other].float() - outs["one"].float()).norm() / outs["one"].float().norm()
         assert err < sim.tol / 2, f"{other} vs one-shot prefill: relative difference {err:.2e}"
+
+
+@ON_GPU
+@pytest.mark.parametrize("window", [0, 32])
+def test_batch_invariant_mode_is_bitwise_reproducible(model_factory, window):
+    """VLLM_BATCH_INVARIANT=1: a request's outputs are bitwise the same whether it is
+    prefilled at once, in chunks, or decoded token by token, alone or batched with
+    another request (what preemption's recompute and chunked prefill need). GPU only:
+    the bitwise claim is FlashAttention's (one split, per-row arithmetic independent of
+    the other rows); the CPU reference makes no such promise."""
+    model = model_factory(64, 4, 2)
+    vc = vllm_config(model, block_size=64, pq={"window": window})
+    schedules = {
+        "one": [[(0, 150)]],
+        "chunks": [[(0, 37), (1, 20)], [(0, 64)], [(0, 1), (1, 1)], [(0, 48), (1, 70)]],
+        "tokens": [[(0, 100)]] + [[(0, 1), (1, 2 if i % 3 else 1)] for i in range(50)],
+    }
+    outs = {}
+    for name, steps in schedules.items():
+        sim = make_sim(vc, "cuda", seed=9)
+        sim.builder.batch_invariant = True
+        sim.add(0), sim.add(1)
+        res = []
+        for work in steps:
+            res.append(sim.step(work)[0])
+        check(sim, {0: res[-1]}, window)
+        outs[name] = torch.cat(res)
+    for other in ("chunks", "tokens"):
+        diff = (outs[other].float() - outs["one"].float()).abs().max().item()
+        assert torch.equal(outs[other], outs["one"]), f"{other} vs one-shot: max diff {diff:.2e}"
 
 
 def test_window_rows_are_per_request(model_factory, target):

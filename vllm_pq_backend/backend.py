@@ -80,6 +80,12 @@ class PQAttentionBackend(AttentionBackend):
         return (KVCacheLayout.LBHNC,)
 
     @classmethod
+    def supports_batch_invariance(cls) -> bool:
+        # VLLM_BATCH_INVARIANT=1: every query runs the prefill path with one FlashAttention
+        # split (metadata.PQMetadataBuilder), so outputs are bitwise independent of batching.
+        return True
+
+    @classmethod
     def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
         """A page holds only codes: 2M bytes per token and KV head."""
         if spec.state_content_bytes is not None:
@@ -144,7 +150,6 @@ class PQAttentionBackend(AttentionBackend):
             )
         for flag, what in (
             ("use_non_causal", "non-causal attention"),
-            ("use_batch_invariant", "batch invariance"),
             ("use_kv_connector", "KV connectors (the pages hold PQ codes)"),
             ("use_pcp", "prefill context parallelism"),
             ("use_dcp", "decode context parallelism"),

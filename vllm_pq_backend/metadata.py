@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
 import torch
+from vllm import envs
 from vllm.v1.attention.backend import (
     AttentionCGSupport,
     AttentionMetadata,
@@ -18,6 +20,8 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from . import ops
 from .config import PQConfig
 from .layout import window_start
+
+logger = logging.getLogger(__name__)
 
 MAX_QUERY_HEADS_PER_CTA = 8  # the decode kernel's MMA covers 8 query heads
 MIN_PREFILL_PAGE_TOKENS = 65536
@@ -84,6 +88,7 @@ class PQMetadata(AttentionMetadata):
     req_rows_cpu: list[int] | None
     num_splits: int
     prefills: list[PrefillPlan]
+    fa_num_splits: int = 0  # FlashAttention's KV splits in prefill; 0: its heuristic
 
 
 def _i32(x, device):
@@ -182,8 +187,15 @@ def plan_prefills(qsl, seq_lens, block_table, block_size, window, rows, device, 
 
 
 class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
-    # Decode-only batches run the CUDA decode kernel on persistent buffers; batches
-    # with prefill plan on the CPU and stay eager.
+    """Decode-only batches run the CUDA decode kernel on persistent buffers; batches with
+    prefill plan on the CPU and stay eager.
+
+    Batch-invariant mode (VLLM_BATCH_INVARIANT=1) sends every query, decodes included,
+    through the prefill path with a single FlashAttention split: a token's attention is
+    then the same arithmetic whether it is decoded, prefilled in one chunk or in many,
+    recomputed after preemption, or batched with anything else, at the price of
+    dequantizing each request's history at every decode step."""
+
     _cudagraph_support: ClassVar[AttentionCGSupport] = (
         AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
     )
@@ -192,6 +204,8 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
         if not ops.kernels_available():
             return AttentionCGSupport.NEVER  # the reference path syncs with the host
+        if envs.VLLM_BATCH_INVARIANT:
+            return AttentionCGSupport.NEVER  # decodes plan on the CPU too (piecewise graphs)
         return cls._cudagraph_support
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
@@ -223,6 +237,13 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
         )
         group = max(1, q_heads // kv_heads)
         self.ctas_per_split = kv_heads * -(-group // MAX_QUERY_HEADS_PER_CTA)
+        self.batch_invariant = bool(envs.VLLM_BATCH_INVARIANT)
+        if self.batch_invariant:
+            logger.info(
+                "vllm_pq_backend: VLLM_BATCH_INVARIANT=1, decodes run the prefill path "
+                "(dequantized history + FlashAttention, one split): bitwise reproducible "
+                "under any batching, slower than the decode kernel."
+            )
 
     def build(
         self,
@@ -231,8 +252,11 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
         fast_build: bool = False,
     ) -> PQMetadata:
         cam = common_attn_metadata
-        nd, npf, ndt, _ = split_decodes_and_prefills(cam, decode_threshold=1)
         n = cam.num_reqs
+        if self.batch_invariant:
+            nd, npf, ndt = 0, n, 0
+        else:
+            nd, npf, ndt, _ = split_decodes_and_prefills(cam, decode_threshold=1)
         qsl_cpu = cam.query_start_loc_cpu[: n + 1]
         seq_cpu = cam.seq_lens_cpu_upper_bound
         seq_cpu = (seq_cpu if seq_cpu is not None else cam.seq_lens.cpu())[:n]
@@ -277,4 +301,5 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
             req_rows_cpu=rows_cpu,
             num_splits=ops.num_splits_for(nd, self.ctas_per_split, self.num_sms),
             prefills=prefills,
+            fa_num_splits=1 if self.batch_invariant else 0,
         )

@@ -169,7 +169,7 @@ def prefill(out, query, key, value, kv_cache, md, state, scale: float) -> None:
             )
             out[rows] = res.to(out.dtype)
         else:
-            _prefill_fa(fa, p, out[rows], q, k, v, kv_cache, state, scale)
+            _prefill_fa(fa, p, out[rows], q, k, v, kv_cache, state, scale, md.fa_num_splits)
         if state.window > 0 and p.win_tokens.numel():
             reference.window_write(
                 state.win_k, state.win_v, k[p.win_tokens], v[p.win_tokens], p.win_rows,
@@ -185,7 +185,7 @@ def prefill_scratch_bytes(page_tokens: int, num_kv_heads: int, head_dim: int, m:
     return page_tokens * num_kv_heads * per_head
 
 
-def _prefill_fa(fa, p, out, q, k, v, kv_cache, state, scale) -> None:
+def _prefill_fa(fa, p, out, q, k, v, kv_cache, state, scale, num_splits) -> None:
     varlen, fa_version = fa
     kp, vp = dequant_pages(kv_cache, p.block_ids, state.k_cb, state.v_cb, state.layout)
     table = torch.arange(p.block_ids.numel(), device=q.device, dtype=torch.int32)
@@ -195,7 +195,7 @@ def _prefill_fa(fa, p, out, q, k, v, kv_cache, state, scale) -> None:
         varlen(
             q=q, k=kp, v=vp, out=out, cu_seqlens_q=p.cu_q, max_seqlen_q=p.max_q,
             seqused_k=p.seq_lens, max_seqlen_k=p.max_k, softmax_scale=scale, causal=True,
-            block_table=table, fa_version=version,
+            block_table=table, fa_version=version, num_splits=num_splits,
         )
         return
     # Full-precision part: each window segment attends causally to its own tokens.
@@ -206,6 +206,7 @@ def _prefill_fa(fa, p, out, q, k, v, kv_cache, state, scale) -> None:
         q=q, k=src_k[p.fp_src], v=src_v[p.fp_src], cu_seqlens_q=p.seg_cu_q,
         max_seqlen_q=p.seg_max_q, cu_seqlens_k=p.seg_cu_k, max_seqlen_k=p.seg_max_k,
         softmax_scale=scale, causal=True, return_softmax_lse=True, fa_version=version,
+        num_splits=num_splits,
     )
     if p.code_rows.numel() == 0:
         out.copy_(o_fp)
@@ -215,6 +216,7 @@ def _prefill_fa(fa, p, out, q, k, v, kv_cache, state, scale) -> None:
         q=q[p.code_rows], k=kp, v=vp, cu_seqlens_q=p.code_cu_q, max_seqlen_q=p.seg_max_q,
         seqused_k=p.code_len, max_seqlen_k=p.max_k, softmax_scale=scale, causal=False,
         block_table=table[p.code_req], return_softmax_lse=True, fa_version=version,
+        num_splits=num_splits,
     )
     out.copy_(o_fp)
     out[p.code_rows] = _merge(o_fp[p.code_rows], lse_fp[:, p.code_rows], o_c, lse_c).to(out.dtype)

@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import json
+import multiprocessing
 import os
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -53,7 +54,6 @@ def prompts_from(path, tokenizer, n_groups, per_group):
 
 
 def run(backend, name, overrides, args, prompts):
-    import torch
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -85,10 +85,14 @@ def run(backend, name, overrides, args, prompts):
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     logprobs = [[{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs]
                 for o in outs]
-    del llm
-    gc.collect()
-    torch.cuda.empty_cache()
     return info, tokens, logprobs
+
+
+def in_own_process(fn, *args):
+    """Each engine in a fresh process: a second engine in one process can trip vLLM's
+    start-up memory profiling while the first one's memory is still being freed."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
+        return ex.submit(fn, *args).result()
 
 
 def compare(tokens, base, base_lp):
@@ -132,7 +136,7 @@ def main() -> int:
     for backend in args.backends:
         base = base_lp = None
         for name in args.variants:
-            info, tokens, lp = run(backend, name, VARIANTS[name], args, prompts)
+            info, tokens, lp = in_own_process(run, backend, name, VARIANTS[name], args, prompts)
             if base is None:
                 base, base_lp = tokens, lp
             info["backend"] = backend

@@ -208,14 +208,14 @@ def test_builder_on_common_metadata(model_factory):
     assert p.fp_src[:20].tolist() == [50 + i for i in range(20)]
     assert p.code_len.tolist() == [32, 64] and p.code_rows.tolist() == list(range(12, 50))
     assert p.win_pos.tolist() == list(range(64, 70)) and p.win_rows.tolist() == [9] * 6
-    assert md.fa_num_splits == 0
+    assert not md.batch_invariant
     with pytest.raises(RuntimeError, match="model runner V2"):
         builder.build(0, cam.replace(req_idx=None))
     # VLLM_BATCH_INVARIANT=1: the decodes join the prefill path, FlashAttention unsplit
     builder.batch_invariant = True
     md = builder.build(0, cam)
     assert (md.num_decodes, md.num_decode_tokens, md.num_prefills) == (0, 0, 3)
-    assert md.fa_num_splits == 1
+    assert md.batch_invariant
     (p,) = md.prefills
     assert p.query_start_loc_cpu == [0, 1, 2, 52] and p.seq_lens_cpu == [40, 7, 70]
     assert p.win_pos.tolist() == [39, 6, *range(64, 70)]  # decoded tokens enter the window

@@ -88,7 +88,7 @@ class PQMetadata(AttentionMetadata):
     req_rows_cpu: list[int] | None
     num_splits: int
     prefills: list[PrefillPlan]
-    fa_num_splits: int = 0  # FlashAttention's KV splits in prefill; 0: its heuristic
+    batch_invariant: bool = False  # VLLM_BATCH_INVARIANT=1, see PQMetadataBuilder
 
 
 def _i32(x, device):
@@ -301,5 +301,5 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
             req_rows_cpu=rows_cpu,
             num_splits=ops.num_splits_for(nd, self.ctas_per_split, self.num_sms),
             prefills=prefills,
-            fa_num_splits=1 if self.batch_invariant else 0,
+            batch_invariant=self.batch_invariant,
         )

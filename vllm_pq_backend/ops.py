@@ -169,7 +169,7 @@ def prefill(out, query, key, value, kv_cache, md, state, scale: float) -> None:
             )
             out[rows] = res.to(out.dtype)
         else:
-            _prefill_fa(fa, p, out[rows], q, k, v, kv_cache, state, scale, md.fa_num_splits)
+            _prefill_fa(fa, p, out[rows], q, k, v, kv_cache, state, scale, md.batch_invariant)
         if state.window > 0 and p.win_tokens.numel():
             reference.window_write(
                 state.win_k, state.win_v, k[p.win_tokens], v[p.win_tokens], p.win_rows,
@@ -185,15 +185,20 @@ def prefill_scratch_bytes(page_tokens: int, num_kv_heads: int, head_dim: int, m:
     return page_tokens * num_kv_heads * per_head
 
 
-def _prefill_fa(fa, p, out, q, k, v, kv_cache, state, scale, num_splits) -> None:
+def _prefill_fa(fa, p, out, q, k, v, kv_cache, state, scale, batch_invariant) -> None:
     varlen, fa_version = fa
+    # Batch-invariant: one KV split, and causal calls never see max_seqlen_q == 1, for
+    # which FA3 switches to its non-causal kernel (other KV tiles, so other rounding for
+    # the same row than in a prefill); the bound is only an upper bound, 2 is legal.
+    num_splits = 1 if batch_invariant else 0
+    min_q = 2 if batch_invariant else 1
     kp, vp = dequant_pages(kv_cache, p.block_ids, state.k_cb, state.v_cb, state.layout)
     table = torch.arange(p.block_ids.numel(), device=q.device, dtype=torch.int32)
     table = table.view(p.num_prefills, -1)
     version = fa_version(head_size=q.shape[-1])
     if state.window == 0:
         varlen(
-            q=q, k=kp, v=vp, out=out, cu_seqlens_q=p.cu_q, max_seqlen_q=p.max_q,
+            q=q, k=kp, v=vp, out=out, cu_seqlens_q=p.cu_q, max_seqlen_q=max(p.max_q, min_q),
             seqused_k=p.seq_lens, max_seqlen_k=p.max_k, softmax_scale=scale, causal=True,
             block_table=table, fa_version=version, num_splits=num_splits,
         )
@@ -204,7 +209,7 @@ def _prefill_fa(fa, p, out, q, k, v, kv_cache, state, scale, num_splits) -> None
     src_v = torch.cat([v, state.win_v[p.store_rows, :, p.store_slots]])
     o_fp, lse_fp = varlen(
         q=q, k=src_k[p.fp_src], v=src_v[p.fp_src], cu_seqlens_q=p.seg_cu_q,
-        max_seqlen_q=p.seg_max_q, cu_seqlens_k=p.seg_cu_k, max_seqlen_k=p.seg_max_k,
+        max_seqlen_q=max(p.seg_max_q, min_q), cu_seqlens_k=p.seg_cu_k, max_seqlen_k=p.seg_max_k,
         softmax_scale=scale, causal=True, return_softmax_lse=True, fa_version=version,
         num_splits=num_splits,
     )

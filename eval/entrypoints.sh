@@ -33,13 +33,15 @@ for o in out:
     print("generate:", repr(o.prompt), "->", repr(o.outputs[0].text))
 PY
 
-# lm-eval prints its table only at exit (one run printed nothing in 6 minutes): results
-# also go to a file, the engine runs in-process (no engine-core subprocess to wait for at
-# shutdown), output is line-buffered, and a timeout bounds each run.
+# lm-eval prints its table only at exit (one run printed nothing in 6 minutes): its full
+# log and results go to files next to LOG, the engine runs in-process (no engine-core
+# subprocess to wait for at shutdown), and a timeout bounds each run.
 for backend in CUSTOM FLASH_ATTN; do
   echo "== 3. lm_eval --model vllm ... attention_backend=$backend"
+  out="$(dirname "$LOG")/lm_eval_$backend"
   VLLM_ENABLE_V1_MULTIPROCESSING=0 HF_DATASETS_OFFLINE=1 timeout 900 lm_eval --model vllm \
     --model_args "pretrained=$MODEL,attention_backend=$backend,max_model_len=2048,gpu_memory_utilization=0.3" \
-    --tasks pq_heldout --include_path eval/lm_eval --limit 12 \
-    --output_path "$(dirname "$LOG")/lm_eval_$backend" 2>&1 | grep --line-buffered -E "^\||Error" || true
+    --tasks pq_heldout --include_path eval/lm_eval --limit 12 --output_path "$out" \
+    > "$out.log" 2>&1 || echo "lm_eval exit status $? (log: $out.log)"
+  grep -E "^\|" "$out.log" || tail -5 "$out.log"
 done

@@ -82,7 +82,7 @@ class PQAttentionBackend(AttentionBackend):
     @classmethod
     def supports_batch_invariance(cls) -> bool:
         # VLLM_BATCH_INVARIANT=1: every query runs the prefill path with one FlashAttention
-        # split (metadata.PQMetadataBuilder), so outputs are bitwise independent of batching.
+        # split (metadata.PQMetadataBuilder), independent of how the batch is formed.
         return True
 
     @classmethod

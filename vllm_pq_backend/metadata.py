@@ -191,10 +191,11 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
     prefill plan on the CPU and stay eager.
 
     Batch-invariant mode (VLLM_BATCH_INVARIANT=1) sends every query, decodes included,
-    through the prefill path with a single FlashAttention split: a token's attention is
-    then the same arithmetic whether it is decoded, prefilled in one chunk or in many,
-    recomputed after preemption, or batched with anything else, at the price of
-    dequantizing each request's history at every decode step."""
+    through the prefill path with a single FlashAttention split, so that a token's
+    attention is the same arithmetic whether it is decoded, prefilled in one chunk or in
+    many, recomputed after preemption, or batched with anything else (bitwise on H200
+    with a window; not yet with window 0, see the README), at the price of dequantizing
+    each request's history at every decode step."""
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = (
         AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
@@ -241,9 +242,15 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
         if self.batch_invariant:
             logger.info(
                 "vllm_pq_backend: VLLM_BATCH_INVARIANT=1, decodes run the prefill path "
-                "(dequantized history + FlashAttention, one split): bitwise reproducible "
-                "under any batching, slower than the decode kernel."
+                "(dequantized history + FlashAttention, one split), slower than the "
+                "decode kernel."
             )
+            if self.window == 0:
+                logger.warning(
+                    "vllm_pq_backend: with window 0, batch-invariant attention is not yet "
+                    "bitwise reproducible (decode vs prefill differ in the last bits); "
+                    "use a window > 0 (the default)."
+                )
 
     def build(
         self,

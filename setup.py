@@ -30,13 +30,14 @@ def cuda_extensions():
     sys.path.insert(0, os.path.join(here, "csrc"))
     from gen_units import units  # one unit per (dtype, head_dim): parallel compiles
 
-    generated = [os.path.relpath(p, here) for p in units(os.path.join(here, "build", "units"))]
+    unit_dir = os.path.join(here, "build", "units")
+    generated = [os.path.relpath(p, here) for p in units(unit_dir)]
     sources = sorted(glob.glob("csrc/*.cu")) + generated + ["csrc/pq_binding.cpp"]
     nvcc = ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo", "-Xptxas=-v"]
     ext = CUDAExtension(
         "vllm_pq_backend._C",
         sources,
-        include_dirs=[os.path.join(here, "csrc")],
+        include_dirs=[os.path.join(here, "csrc"), unit_dir],  # unit_dir: pq_decode_shapes.inc
         extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": nvcc},
     )
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}

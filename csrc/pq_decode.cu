@@ -1,6 +1,7 @@
 // Decode entry point: picks the (dtype, head_dim, M) instantiation, then merges the
 // split results by their log-sum-exp. The instantiations live in generated units
-// (csrc/gen_units.py) so that they compile in parallel.
+// (csrc/gen_units.py, which also writes the list of cases below) so that they compile
+// in parallel.
 #include <math_constants.h>
 
 #include "pq_common.cuh"
@@ -42,9 +43,7 @@ cudaError_t decode_typed(const DecodeArgs& a, cudaStream_t stream) {
   switch (key) {
 #define PQ_CASE(D, M) \
   case D * 1000 + M: err = launch_decode<T, D, M>(a, stream); break;
-    PQ_CASE(64, 8) PQ_CASE(64, 16) PQ_CASE(64, 32)
-    PQ_CASE(128, 16) PQ_CASE(128, 32) PQ_CASE(128, 64)
-    PQ_CASE(256, 32) PQ_CASE(256, 64) PQ_CASE(256, 128)
+#include "pq_decode_shapes.inc"  // generated next to the units (csrc/gen_units.py)
 #undef PQ_CASE
     default: return cudaErrorInvalidValue;
   }

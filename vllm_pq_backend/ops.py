@@ -187,18 +187,14 @@ def prefill_scratch_bytes(page_tokens: int, num_kv_heads: int, head_dim: int, m:
 
 def _prefill_fa(fa, p, out, q, k, v, kv_cache, state, scale, batch_invariant) -> None:
     varlen, fa_version = fa
-    # Batch-invariant: one KV split, and causal calls never see max_seqlen_q == 1, for
-    # which FA3 switches to its non-causal kernel (other KV tiles, so other rounding for
-    # the same row than in a prefill); the bound is only an upper bound, 2 is legal.
-    num_splits = 1 if batch_invariant else 0
-    min_q = 2 if batch_invariant else 1
+    num_splits = 1 if batch_invariant else 0  # FA3's split heuristic depends on the batch
     kp, vp = dequant_pages(kv_cache, p.block_ids, state.k_cb, state.v_cb, state.layout)
     table = torch.arange(p.block_ids.numel(), device=q.device, dtype=torch.int32)
     table = table.view(p.num_prefills, -1)
     version = fa_version(head_size=q.shape[-1])
     if state.window == 0:
         varlen(
-            q=q, k=kp, v=vp, out=out, cu_seqlens_q=p.cu_q, max_seqlen_q=max(p.max_q, min_q),
+            q=q, k=kp, v=vp, out=out, cu_seqlens_q=p.cu_q, max_seqlen_q=p.max_q,
             seqused_k=p.seq_lens, max_seqlen_k=p.max_k, softmax_scale=scale, causal=True,
             block_table=table, fa_version=version, num_splits=num_splits,
         )
@@ -209,7 +205,7 @@ def _prefill_fa(fa, p, out, q, k, v, kv_cache, state, scale, batch_invariant) ->
     src_v = torch.cat([v, state.win_v[p.store_rows, :, p.store_slots]])
     o_fp, lse_fp = varlen(
         q=q, k=src_k[p.fp_src], v=src_v[p.fp_src], cu_seqlens_q=p.seg_cu_q,
-        max_seqlen_q=max(p.seg_max_q, min_q), cu_seqlens_k=p.seg_cu_k, max_seqlen_k=p.seg_max_k,
+        max_seqlen_q=p.seg_max_q, cu_seqlens_k=p.seg_cu_k, max_seqlen_k=p.seg_max_k,
         softmax_scale=scale, causal=True, return_softmax_lse=True, fa_version=version,
         num_splits=num_splits,
     )

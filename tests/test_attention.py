@@ -103,8 +103,10 @@ def test_batch_invariant_mode_is_bitwise_reproducible(model_factory, window):
         check(sim, {0: res[-1]}, window)
         outs[name] = torch.cat(res)
     for other in ("chunks", "tokens"):
-        diff = (outs[other].float() - outs["one"].float()).abs().max().item()
-        assert torch.equal(outs[other], outs["one"]), f"{other} vs one-shot: max diff {diff:.2e}"
+        diff = (outs[other].float() - outs["one"].float()).abs().amax(dim=(1, 2))
+        rows = torch.nonzero(diff).flatten().tolist()
+        assert not rows, (f"{other} vs one-shot: {len(rows)} token rows differ, first "
+                          f"{rows[:8]}, max diff {diff.max().item():.2e}")
 
 
 def test_window_rows_are_per_request(model_factory, target):

@@ -11,9 +11,9 @@ For each divergence the baseline's log-probability margin between its token and 
 variant's token at the first differing step says whether it was a near-tie (numerics)
 or a confident token changed (a bug).
 
-With --batch-invariant the same runs happen under VLLM_BATCH_INVARIANT=1, where vLLM's
-GEMMs and reductions do not depend on the batch and the backends promise the same for
-attention: every variant should then give identical outputs.
+With --batch-invariant the same runs happen under VLLM_BATCH_INVARIANT=1, vLLM's mode
+whose GEMMs, reductions and attention backends are meant not to depend on the batch;
+the rows record how close each variant then comes to identical outputs.
 
     python eval/vllm_features.py --model .model/smollm2 --heldout .model/text/heldout.jsonl
     python eval/vllm_features.py ... --batch-invariant

@@ -96,10 +96,9 @@ def test_batch_invariant_mode_is_bitwise_reproducible(model_factory, window):
     for name, steps in schedules.items():
         sim = make_sim(vc, "cuda", seed=9)
         sim.builder.batch_invariant = True
-        sim.add(0), sim.add(1)
-        res = []
-        for work in steps:
-            res.append(sim.step(work)[0])
+        for rid in (0, 1):
+            sim.add(rid)
+        res = [sim.step(work)[0] for work in steps]
         check(sim, {0: res[-1]}, window)
         outs[name] = torch.cat(res)
     for other in ("chunks", "tokens"):

@@ -2,7 +2,7 @@
 # The three ways users reach the CUSTOM backend, on SmolLM2-135M with its calibrated
 # codebooks next to the model: `vllm serve` (OpenAI API), offline `LLM.generate`, and
 # `lm_eval --model vllm` (loglikelihood_rolling on held-out text, against FLASH_ATTN).
-#   eval/entrypoints.sh [MODEL_DIR] [LOG]
+#   eval/entrypoints.sh [MODEL_DIR] [LOG]      (LM_EVAL_TIMEOUT: seconds per lm-eval run)
 set -euo pipefail
 MODEL=${1:-eval/data/smollm2}
 LOG=${2:-eval/results/entrypoints.log}
@@ -39,7 +39,7 @@ PY
 for backend in CUSTOM FLASH_ATTN; do
   echo "== 3. lm_eval --model vllm ... attention_backend=$backend"
   out="$(dirname "$LOG")/lm_eval_$backend"
-  VLLM_ENABLE_V1_MULTIPROCESSING=0 HF_DATASETS_OFFLINE=1 timeout 900 lm_eval --model vllm \
+  VLLM_ENABLE_V1_MULTIPROCESSING=0 HF_DATASETS_OFFLINE=1 timeout "${LM_EVAL_TIMEOUT:-900}" lm_eval --model vllm \
     --model_args "pretrained=$MODEL,attention_backend=$backend,max_model_len=2048,gpu_memory_utilization=0.3" \
     --tasks pq_heldout --include_path eval/lm_eval --limit 12 --output_path "$out" \
     > "$out.log" 2>&1 || echo "lm_eval exit status $? (log: $out.log)"

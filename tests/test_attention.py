@@ -71,14 +71,7 @@ def test_chunked_prefill_matches_token_by_token(model_factory, target, window):
 
 
 @ON_GPU
-@pytest.mark.parametrize("window", [
-    pytest.param(0, marks=pytest.mark.xfail(strict=True, reason=(
-        "known: with window 0 (one paged causal FlashAttention call) token-by-token "
-        "decoding differs from the one-shot prefill by up to 2e-3 (one bf16 ulp) on "
-        "H200; passing max_seqlen_q >= 2 to keep FA3 off its seqlen_q == 1 non-causal "
-        "path did not change it; cause open, see README"))),
-    32,
-])
+@pytest.mark.parametrize("window", [0, 32])
 def test_batch_invariant_mode_is_bitwise_reproducible(model_factory, window):
     """VLLM_BATCH_INVARIANT=1: a request's outputs are bitwise the same whether it is
     prefilled at once, in chunks, or decoded token by token, alone or batched with
@@ -138,12 +131,15 @@ def test_prefix_hit_reads_shared_blocks_through_codes(model_factory, target):
     check(sim, sim.step([(1, 1)]), 32)
 
 
-@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("grouped,batch_invariant", [(False, False), (True, False),
+                                                    (False, True)])
 @pytest.mark.parametrize("window", [0, 32, 64])
-def test_flash_attention_prefill_plan(model_factory, monkeypatch, window, grouped):
+def test_flash_attention_prefill_plan(model_factory, monkeypatch, window, grouped,
+                                      batch_invariant):
     """The GPU prefill path (FlashAttention over dequantized pages, window segments merged
     by LSE), run here with a PyTorch stand-in for flash_attn_varlen_func; grouped: a page
-    budget of one block puts every prefill request in a group of its own."""
+    budget of one block puts every prefill request in a group of its own; batch_invariant:
+    decodes too, and with window 0 the codes are cut into segments."""
     from helpers import varlen_sdpa
 
     from vllm_pq_backend import ops
@@ -155,6 +151,7 @@ def test_flash_attention_prefill_plan(model_factory, monkeypatch, window, groupe
     sim.tol = TARGETS["cpu"][1]
     if grouped:
         sim.builder.prefill_page_tokens = 64
+    sim.builder.batch_invariant = batch_invariant
     for rid in range(3):
         sim.add(rid)
     check(sim, sim.step([(0, 100), (1, 7)]), window)

@@ -219,3 +219,23 @@ def test_builder_on_common_metadata(model_factory):
     (p,) = md.prefills
     assert p.query_start_loc_cpu == [0, 1, 2, 52] and p.seq_lens_cpu == [40, 7, 70]
     assert p.win_pos.tolist() == [39, 6, *range(64, 70)]  # decoded tokens enter the window
+
+
+def test_batch_invariant_window0_plan_segments_pages():
+    """Window 0 in batch-invariant mode: segments cut as a window of the segment size
+    would cut them, their keys taken from the dequantized pages, nothing for the store."""
+    from vllm_pq_backend.metadata import plan_prefills
+
+    # a decode at position 39 (context 40), then positions 20..69 of a second request
+    qsl, seq = np.array([0, 1, 51]), np.array([40, 70])
+    table = torch.tensor([[3, 4, 0], [6, 7, 8]], dtype=torch.int32)
+    assert plan_prefills(qsl, seq, table, 32, 0, None, "cpu", 1 << 16)[0].seg_cu_q is None
+    (p,) = plan_prefills(qsl, seq, table, 32, 0, None, "cpu", 1 << 16, segment=32)
+    assert p.block_ids.tolist() == [3, 4, 0, 6, 7, 8]  # token t of request i: row 96 i + t
+    # segments [32,40) | [0,32) [32,64) [64,70)
+    assert p.seg_cu_q.tolist() == [0, 1, 13, 45, 51]
+    assert p.seg_cu_k.tolist() == [0, 8, 40, 72, 78]
+    assert p.fp_src.tolist() == [*range(32, 40), *range(96, 96 + 70)]
+    assert p.code_len.tolist() == [32, 32, 64] and p.code_req.tolist() == [0, 1, 1]
+    assert p.code_rows.tolist() == [0, *range(13, 51)]
+    assert p.store_rows.numel() == 0 and p.win_tokens.numel() == 0

@@ -25,6 +25,13 @@ logger = logging.getLogger(__name__)
 
 MAX_QUERY_HEADS_PER_CTA = 8  # the decode kernel's MMA covers 8 query heads
 MIN_PREFILL_PAGE_TOKENS = 65536
+# Batch-invariant mode with window 0: queries are cut into segments of this many positions
+# (aligned to position 0) exactly as a window of this size would cut them, with every key
+# still read through its codes. One token's arithmetic is then the same however the
+# scheduler cut its prompt (one non-causal call over the keys before its segment, one
+# causal call within it); a single causal call over the whole history was not (one bf16
+# ulp apart between token-by-token and one-shot on H200).
+BATCH_INVARIANT_SEGMENT = 32
 
 
 def prefill_page_tokens(max_model_len: int, block_size: int) -> int:
@@ -50,12 +57,14 @@ class PrefillPlan:
     max_q: int
     seq_lens: torch.Tensor
     max_k: int
-    # window > 0: full-precision segments and the codes part, see layout.window_start
+    # window > 0 (or batch-invariant mode): segments and the codes part, see
+    # layout.window_start; with window 0 the segments' keys are dequantized pages too
     seg_cu_q: torch.Tensor | None = None
     seg_max_q: int = 0
     seg_cu_k: torch.Tensor | None = None
     seg_max_k: int = 0
-    fp_src: torch.Tensor | None = None  # keys: index into [chunk rows ; store entries]
+    fp_src: torch.Tensor | None = None  # keys: index into [chunk rows ; store entries],
+    # or with window 0 into the group's dequantized pages flattened to token rows
     store_rows: torch.Tensor | None = None
     store_slots: torch.Tensor | None = None
     code_rows: torch.Tensor | None = None
@@ -107,7 +116,10 @@ def plan_prefill(
     window: int,
     rows: list[int] | None,
     device,
+    segment: int = 0,
 ) -> PrefillPlan:
+    """``segment`` > 0 with ``window`` 0: the batch-invariant segmentation (see
+    BATCH_INVARIANT_SEGMENT); a window > 0 always segments by the window."""
     starts = (qsl - qsl[0]).astype(np.int64)
     q_lens = np.diff(starts)
     lens = seq_lens.astype(np.int64)
@@ -124,7 +136,8 @@ def plan_prefill(
         seq_lens=_i32(lens, device),
         max_k=int(lens.max()),
     )
-    if window <= 0:
+    seg = window if window > 0 else segment
+    if seg <= 0:
         return plan
     total_q = int(starts[-1])
     seg_q, seg_k, fp_src, st_rows, st_slots = [0], [0], [], [], []
@@ -132,20 +145,25 @@ def plan_prefill(
     win_tok, win_rows, win_pos = [], [], []
     for i in range(n):
         length, first, tok0 = int(lens[i]), int(lens[i] - q_lens[i]), int(starts[i])
-        for g0 in range(window_start(first, window), length, window):
-            a, e = max(first, g0), min(length, g0 + window)
+        for g0 in range(window_start(first, seg), length, seg):
+            a, e = max(first, g0), min(length, g0 + seg)
             seg_q.append(seg_q[-1] + e - a)
-            n_store = max(0, first - g0)  # earlier tokens of this segment
-            fp_src.extend(range(total_q + len(st_rows), total_q + len(st_rows) + n_store))
-            st_rows.extend([rows[i]] * n_store)
-            st_slots.extend(range(g0 % window, g0 % window + n_store))
-            fp_src.extend(range(tok0 + max(0, g0 - first), tok0 + e - first))
+            if window > 0:
+                n_store = max(0, first - g0)  # earlier tokens of this segment
+                fp_src.extend(range(total_q + len(st_rows), total_q + len(st_rows) + n_store))
+                st_rows.extend([rows[i]] * n_store)
+                st_slots.extend(range(g0 % window, g0 % window + n_store))
+                fp_src.extend(range(tok0 + max(0, g0 - first), tok0 + e - first))
+            else:
+                fp_src.extend(range(i * nb * block_size + g0, i * nb * block_size + e))
             seg_k.append(seg_k[-1] + e - g0)
             if g0 > 0:
                 code_rows.extend(range(tok0 + a - first, tok0 + e - first))
                 code_q.append(code_q[-1] + e - a)
                 code_len.append(g0)
                 code_req.append(i)
+        if window <= 0:
+            continue
         last = max(first, window_start(length - 1, window))
         win_tok.extend(range(tok0 + last - first, tok0 + length - first))
         win_rows.extend([rows[i]] * (length - last))
@@ -167,7 +185,8 @@ def plan_prefill(
     return plan
 
 
-def plan_prefills(qsl, seq_lens, block_table, block_size, window, rows, device, page_tokens):
+def plan_prefills(qsl, seq_lens, block_table, block_size, window, rows, device, page_tokens,
+                  segment=0):
     """Prefill requests split into consecutive groups whose dequantized pages (padded to
     the group's longest history) stay within ``page_tokens``; one plan per group."""
     plans, i, n = [], 0, len(seq_lens)
@@ -178,7 +197,7 @@ def plan_prefills(qsl, seq_lens, block_table, block_size, window, rows, device, 
             widest = max(widest, blocks[j])
             j += 1
         p = plan_prefill(qsl[i : j + 1], seq_lens[i:j], block_table[i:j], block_size, window,
-                         rows[i:j] if rows is not None else None, device)
+                         rows[i:j] if rows is not None else None, device, segment)
         p.tok_start, p.tok_end = int(qsl[i] - qsl[0]), int(qsl[j] - qsl[0])
         p.req_start, p.req_end = i, j
         plans.append(p)
@@ -193,9 +212,9 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
     Batch-invariant mode (VLLM_BATCH_INVARIANT=1) sends every query, decodes included,
     through the prefill path with a single FlashAttention split, so that a token's
     attention is the same arithmetic whether it is decoded, prefilled in one chunk or in
-    many, recomputed after preemption, or batched with anything else (bitwise on H200
-    with a window; not yet with window 0, see the README), at the price of dequantizing
-    each request's history at every decode step."""
+    many, recomputed after preemption, or batched with anything else (bitwise on H200,
+    tests/test_attention.py), at the price of dequantizing each request's history at
+    every decode step."""
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = (
         AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
@@ -245,12 +264,6 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
                 "(dequantized history + FlashAttention, one split), slower than the "
                 "decode kernel."
             )
-            if self.window == 0:
-                logger.warning(
-                    "vllm_pq_backend: with window 0, batch-invariant attention is not yet "
-                    "bitwise reproducible (decode vs prefill differ in the last bits); "
-                    "use a window > 0 (the default)."
-                )
 
     def build(
         self,
@@ -291,6 +304,7 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
                 rows_cpu[nd:] if rows_cpu is not None else None,
                 self.device,
                 self.prefill_page_tokens,
+                BATCH_INVARIANT_SEGMENT if self.batch_invariant else 0,
             )
         return PQMetadata(
             num_reqs=n,

@@ -192,17 +192,21 @@ def _prefill_fa(fa, p, out, q, k, v, kv_cache, state, scale, batch_invariant) ->
     table = torch.arange(p.block_ids.numel(), device=q.device, dtype=torch.int32)
     table = table.view(p.num_prefills, -1)
     version = fa_version(head_size=q.shape[-1])
-    if state.window == 0:
+    if p.seg_cu_q is None:  # window 0: one causal call over the pages
         varlen(
             q=q, k=kp, v=vp, out=out, cu_seqlens_q=p.cu_q, max_seqlen_q=p.max_q,
             seqused_k=p.seq_lens, max_seqlen_k=p.max_k, softmax_scale=scale, causal=True,
             block_table=table, fa_version=version, num_splits=num_splits,
         )
         return
-    # Full-precision part: each window segment attends causally to its own tokens.
-    # Keys of a segment: its earlier tokens from the window store, then this chunk's.
-    src_k = torch.cat([k, state.win_k[p.store_rows, :, p.store_slots]])
-    src_v = torch.cat([v, state.win_v[p.store_rows, :, p.store_slots]])
+    # Segment part: each segment attends causally to its own tokens. Keys of a window
+    # segment: its earlier tokens from the window store, then this chunk's (full
+    # precision); of a batch-invariant window-0 segment: its dequantized page tokens.
+    if state.window > 0:
+        src_k = torch.cat([k, state.win_k[p.store_rows, :, p.store_slots]])
+        src_v = torch.cat([v, state.win_v[p.store_rows, :, p.store_slots]])
+    else:
+        src_k, src_v = kp.flatten(0, 1), vp.flatten(0, 1)
     o_fp, lse_fp = varlen(
         q=q, k=src_k[p.fp_src], v=src_v[p.fp_src], cu_seqlens_q=p.seg_cu_q,
         max_seqlen_q=p.seg_max_q, cu_seqlens_k=p.seg_cu_k, max_seqlen_k=p.seg_max_k,

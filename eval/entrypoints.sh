@@ -17,11 +17,11 @@ vllm serve "$MODEL" --attention-backend CUSTOM --max-model-len 2048 \
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null || true' EXIT
 for _ in $(seq 240); do curl -sf localhost:8123/health >/dev/null && break; sleep 1; done
-grep -E "Using CUSTOM|vllm_pq_backend|KV cache size" serve.log | head -5 || true
 curl -s localhost:8123/v1/completions -H 'Content-Type: application/json' \
   -d "{\"model\": \"$MODEL\", \"prompt\": \"The capital of France is\", \"max_tokens\": 12, \"temperature\": 0}" \
   | python -c "import json,sys; r=json.load(sys.stdin); print('completion:', repr(r['choices'][0]['text']))"
 kill $SERVER; wait $SERVER 2>/dev/null || true
+grep -E "Using AttentionBackendEnum|vllm_pq_backend|KV cache size" serve.log || true
 
 echo "== 2. offline LLM(..., attention_backend=\"CUSTOM\").generate(...)"
 python - "$MODEL" <<'PY'

@@ -116,7 +116,7 @@ def main() -> int:
     p.add_argument("--backends", nargs="+", default=["CUSTOM", "FLASH_ATTN"])
     p.add_argument("--m", type=int, default=32)
     p.add_argument("--window", type=int, default=128)
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS))
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--gen-tokens", type=int, default=48)
     p.add_argument("--batch-invariant", action="store_true",
                    help="run under VLLM_BATCH_INVARIANT=1 (default --out: "

@@ -155,6 +155,31 @@ def test_impl_refuses_wrong_codebooks(tmp_path):
             PQAttentionImpl(4, 64, 0.125, 2)
 
 
+def test_memory_report_reaches_vllm_log(model_factory):
+    """The start-up report (bytes per token, the window's cost per running sequence) goes
+    to vLLM's "vllm" logger, whose handler prints it in vLLM's processes."""
+    import logging
+
+    from helpers import Sim
+
+    records = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    vllm_logger = logging.getLogger("vllm")
+    old_level = vllm_logger.level
+    vllm_logger.addHandler(handler)
+    vllm_logger.setLevel(logging.INFO)
+    try:
+        sim = Sim(vllm_config(model_factory(64, 4, 2), block_size=64, pq={"window": 64}))
+        sim.add(0)
+        sim.step([(0, 3)])
+    finally:
+        vllm_logger.removeHandler(handler)
+        vllm_logger.setLevel(old_level)
+    lines = [r.getMessage() for r in records if "vllm_pq_backend" in r.getMessage()]
+    assert any("B/token" in x and "per running sequence" in x for x in lines), lines
+
+
 def test_prefill_groups_bound_dequantized_pages():
     """Consecutive prefill requests share a group while (requests x widest history) fits
     the page budget; a request wider than the budget still gets a group."""

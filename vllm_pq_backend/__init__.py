@@ -2,6 +2,10 @@
 
 __version__ = "0.1.0"
 
+# Loggers are named vllm.vllm_pq_backend.*: vLLM configures a handler for its "vllm"
+# logger only (no propagation), so a logger outside that tree would print nothing below
+# WARNING in vLLM's processes (and nothing in its format or at VLLM_LOGGING_LEVEL).
+
 BACKEND_PATH = "vllm_pq_backend.backend.PQAttentionBackend"
 
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import logging
 
 import torch
+from vllm.logger import init_logger
 from vllm.v1.attention.backend import AttentionImpl, AttentionLayer, AttentionType
 
 from . import codebooks, ops
@@ -13,7 +13,7 @@ from .config import PQConfig, current_pq_config
 from .layout import PageLayout
 from .metadata import PQMetadata, prefill_page_tokens
 
-logger = logging.getLogger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler, see __init__
 
 
 class LayerState:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
 import torch
 from vllm import envs
+from vllm.logger import init_logger
 from vllm.v1.attention.backend import (
     AttentionCGSupport,
     AttentionMetadata,
@@ -21,7 +21,7 @@ from . import ops
 from .config import PQConfig
 from .layout import window_start
 
-logger = logging.getLogger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler, see __init__
 
 MAX_QUERY_HEADS_PER_CTA = 8  # the decode kernel's MMA covers 8 query heads
 MIN_PREFILL_PAGE_TOKENS = 65536

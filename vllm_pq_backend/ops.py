@@ -4,14 +4,14 @@ for prefill over dequantized pages, and the plain PyTorch reference everywhere e
 from __future__ import annotations
 
 import functools
-import logging
 
 import torch
+from vllm.logger import init_logger
 
 from . import reference
 from .layout import PageLayout
 
-logger = logging.getLogger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler, see __init__
 
 MAX_SPLITS = 16  # codes splits per (request, KV head); the window adds one more
 

@@ -16,7 +16,7 @@ whose GEMMs, reductions and attention backends are meant not to depend on the ba
 the rows record how close each variant then comes to identical outputs.
 
     python eval/vllm_features.py --model .model/smollm2 --heldout .model/text/heldout.jsonl
-    python eval/vllm_features.py ... --batch-invariant
+    python eval/vllm_features.py ... --batch-invariant [--eager]
 """
 
 from __future__ import annotations
@@ -62,6 +62,8 @@ def run(backend, name, overrides, args, prompts):
               compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]})
     if backend == "CUSTOM":
         kw["additional_config"] = {"pq": {"m": args.m, "window": args.window}}
+    if args.eager:
+        kw["enforce_eager"] = True
     kw.update(overrides)
     if "num_gpu_blocks_override" in overrides and backend != "CUSTOM":
         # The same 3,072-token KV budget in FLASH_ATTN's 16-token blocks (CUSTOM uses 128).
@@ -121,6 +123,9 @@ def main() -> int:
     p.add_argument("--batch-invariant", action="store_true",
                    help="run under VLLM_BATCH_INVARIANT=1 (default --out: "
                    "eval/results/vllm_features_batch_invariant.json)")
+    p.add_argument("--eager", action="store_true",
+                   help="every engine, the baseline too, with enforce_eager (no torch.compile, "
+                   "no CUDA graphs): separates compiled-kernel numerics from scheduling")
     p.add_argument("--out")
     args = p.parse_args()
     if args.batch_invariant:
@@ -154,7 +159,8 @@ def write(args, prompts, rows):
     result = dict(
         device=torch.cuda.get_device_name(), vllm=vllm.__version__, torch=torch.__version__,
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        command="python " + " ".join(sys.argv), batch_invariant=args.batch_invariant, m=args.m, window=args.window, gen_tokens=args.gen_tokens,
+        command="python " + " ".join(sys.argv), batch_invariant=args.batch_invariant, eager=args.eager,
+        m=args.m, window=args.window, gen_tokens=args.gen_tokens,
         prompts=len(prompts), prompt_lens=[len(x) for x in prompts], rows=rows,
     )
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import torch
 from vllm.logger import init_logger
 from vllm.v1.attention.backend import AttentionImpl, AttentionLayer, AttentionType

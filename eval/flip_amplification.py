@@ -18,12 +18,12 @@ decode to; amplification = dequantized / raw.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
 
 import torch
-from quant_ppl_cpu import nearest  # eval/ is the script's directory
+from provenance import provenance  # eval/ is the script's directory
+from quant_ppl_cpu import nearest
 
 
 def kv_caches(model, ids, chunk):
@@ -58,7 +58,7 @@ def main() -> int:
     info = codebooks.read_info(a.codebooks)
     books = [codebooks.load_layer(info, i, slice(None)) for i in range(info.num_layers)]
     texts = [json.loads(line)["text"] for line in open(a.heldout)][: a.docs]
-    # per layer and K/V: sums over documents of squared norms and code counts
+    # per layer and K/V, summed over documents: squared norms, share of codes that differ
     acc = torch.zeros(info.num_layers, 2, 5, dtype=torch.float64)
     for text in tqdm(texts, desc="documents"):
         ids = [tok.bos_token_id] + tok(text, add_special_tokens=False)["input_ids"]
@@ -90,10 +90,7 @@ def main() -> int:
                    amplification_max=amps[-1])
     print(json.dumps(summary))
     with open(a.out, "w") as f:
-        json.dump(dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                       command="python " + " ".join(sys.argv),
-                       device="cpu (transformers, bfloat16)", torch=torch.__version__,
-                       m=info.m, docs=len(texts), tokens=a.tokens, chunk=a.chunk,
+        json.dump(dict(provenance("cpu (transformers, bfloat16)"), m=info.m, docs=len(texts), tokens=a.tokens, chunk=a.chunk,
                        summary=summary, rows=rows), f, indent=1)
     return 0
 

@@ -10,13 +10,13 @@ same documents it reproduces what vLLM measures (see eval/results/quant_ppl_cpu.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
 import sys
 
 import torch
+from provenance import provenance  # eval/ is the script's directory
 
 
 def nearest(x, cb):
@@ -110,9 +110,7 @@ def main() -> int:
             print(f"{os.path.basename(path)} M={info.m} W={w}: ppl {ppl:.4f} "
                   f"({rows[-1]['ppl_vs_unquantized_pct']:+.2f}%)", flush=True)
     with open(a.out, "w") as f:
-        json.dump(dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                       command="python " + " ".join(sys.argv), device="cpu (transformers, float32)",
-                       torch=torch.__version__, tokens=n, documents=len(docs), bos=not a.no_bos,
+        json.dump(dict(provenance("cpu (transformers, float32)"), tokens=n, documents=len(docs), bos=not a.no_bos,
                        rows=rows), f, indent=1)
     return 0
 

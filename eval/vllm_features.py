@@ -22,13 +22,14 @@ the rows record how close each variant then comes to identical outputs.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import multiprocessing
 import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+
+from provenance import provenance  # eval/ is the script's directory
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -153,13 +154,8 @@ def main() -> int:
 
 
 def write(args, prompts, rows):
-    import torch
-    import vllm
-
     result = dict(
-        device=torch.cuda.get_device_name(), vllm=vllm.__version__, torch=torch.__version__,
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        command="python " + " ".join(sys.argv), batch_invariant=args.batch_invariant, eager=args.eager,
+        provenance(), batch_invariant=args.batch_invariant, eager=args.eager,
         m=args.m, window=args.window, gen_tokens=args.gen_tokens,
         prompts=len(prompts), prompt_lens=[len(x) for x in prompts], rows=rows,
     )

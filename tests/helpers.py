@@ -210,6 +210,17 @@ class Sim:
         return torch.stack(outs)
 
 
+def unified_attention_sdpa(q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k,
+                           softmax_scale, causal, window_size, block_table, softcap,
+                           q_descale, k_descale, v_descale):
+    """vLLM's unified Triton attention (the subset batch-invariant mode uses): paged K/V
+    ``[blocks, B, H, d]``, bottom-right causal."""
+    assert causal and tuple(window_size) == (-1, -1) and softcap == 0 and q_descale is None
+    assert k_descale.shape == (len(seqused_k), k.shape[2]) and (k_descale == 1).all()
+    varlen_sdpa(q, k, v, cu_seqlens_q, max_seqlen_q, softmax_scale, True, max_seqlen_k,
+                seqused_k=seqused_k, block_table=block_table, out=out)
+
+
 def varlen_sdpa(q, k, v, cu_seqlens_q, max_seqlen_q, softmax_scale, causal, max_seqlen_k,
                 cu_seqlens_k=None, seqused_k=None, block_table=None, out=None,
                 return_softmax_lse=False, fa_version=None, num_splits=0):

@@ -71,30 +71,32 @@ def test_chunked_prefill_matches_token_by_token(model_factory, target, window):
 
 
 @ON_GPU
-@pytest.mark.parametrize("window", [0, 32])
+@pytest.mark.parametrize("window", [0, 32, 128])
 def test_batch_invariant_mode_is_bitwise_reproducible(model_factory, window):
     """VLLM_BATCH_INVARIANT=1: a request's outputs are bitwise the same whether it is
     prefilled at once, in chunks, or decoded token by token, alone or batched with
-    another request (what preemption's recompute and chunked prefill need). GPU only:
-    the bitwise claim is FlashAttention's (one split, per-row arithmetic independent of
-    the other rows); the CPU reference makes no such promise."""
-    model = model_factory(64, 4, 2)
-    vc = vllm_config(model, block_size=64, pq={"window": window})
+    requests of other lengths (what preemption's recompute and chunked prefill need).
+    GPU only: the bitwise claim is vLLM's Triton attention's (fixed tiles, no splits);
+    the CPU reference makes no such promise. Blocks of 128 tokens as vLLM uses them."""
+    model = model_factory(64, 9, 3)
+    vc = vllm_config(model, block_size=128, pq={"window": window})
     schedules = {
-        "one": [[(0, 150)]],
-        "chunks": [[(0, 37), (1, 20)], [(0, 64)], [(0, 1), (1, 1)], [(0, 48), (1, 70)]],
-        "tokens": [[(0, 100)]] + [[(0, 1), (1, 2 if i % 3 else 1)] for i in range(50)],
+        "one": [[(0, 300)]],
+        "chunks": [[(0, 37), (1, 20)], [(0, 64)], [(0, 1), (1, 1)], [(0, 198), (1, 70)]],
+        "tokens": [[(0, 100)]] + [[(0, 1), (1, 2 if i % 3 else 1)] for i in range(200)],
+        "mixed": [[(0, 90), (1, 130), (2, 7)], [(0, 1), (1, 1)], [(2, 1), (0, 64)],
+                  [(0, 1), (1, 200), (2, 1)], [(0, 144), (2, 33)]],
     }
     outs = {}
     for name, steps in schedules.items():
         sim = make_sim(vc, "cuda", seed=9)
         sim.builder.batch_invariant = True
-        for rid in (0, 1):
-            sim.add(rid)
+        for rid in (0, 1, 2):
+            sim.add(rid, max_len=640)
         res = [sim.step(work)[0] for work in steps]
         check(sim, {0: res[-1]}, window)
         outs[name] = torch.cat(res)
-    for other in ("chunks", "tokens"):
+    for other in ("chunks", "tokens", "mixed"):
         diff = (outs[other].float() - outs["one"].float()).abs().amax(dim=(1, 2))
         rows = torch.nonzero(diff).flatten().tolist()
         assert not rows, (f"{other} vs one-shot: {len(rows)} token rows differ, first "
@@ -139,12 +141,14 @@ def test_flash_attention_prefill_plan(model_factory, monkeypatch, window, groupe
     """The GPU prefill path (FlashAttention over dequantized pages, window segments merged
     by LSE), run here with a PyTorch stand-in for flash_attn_varlen_func; grouped: a page
     budget of one block puts every prefill request in a group of its own; batch_invariant:
-    decodes too, and with window 0 the codes are cut into segments."""
-    from helpers import varlen_sdpa
+    decodes too, through a stand-in for vLLM's unified Triton attention (each window
+    segment a request of its own)."""
+    from helpers import unified_attention_sdpa, varlen_sdpa
 
     from vllm_pq_backend import ops
 
     monkeypatch.setattr(ops, "flash_attn_for", lambda t: (varlen_sdpa, lambda **kw: 3))
+    monkeypatch.setattr(ops, "triton_attn_for", lambda t: unified_attention_sdpa)
     model = model_factory(64, 4, 2)
     vc = vllm_config(model, block_size=64, pq={"window": window})
     sim = Sim(vc, seed=11)

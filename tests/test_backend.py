@@ -246,21 +246,28 @@ def test_builder_on_common_metadata(model_factory):
     assert p.win_pos.tolist() == [39, 6, *range(64, 70)]  # decoded tokens enter the window
 
 
-def test_batch_invariant_window0_plan_segments_pages():
-    """Window 0 in batch-invariant mode: segments cut as a window of the segment size
-    would cut them, their keys taken from the dequantized pages, nothing for the store."""
+def test_batch_invariant_plan_makes_each_segment_a_request():
+    """Batch-invariant mode, window 32, blocks of 64: every segment becomes a request whose
+    pages are its request's pages before the segment's page, then a private copy of that
+    page (numbered after the group's pages) holding the segment's full-precision keys
+    from the segment start on; window 0 plans no segments."""
     from vllm_pq_backend.metadata import plan_prefills
 
     # a decode at position 39 (context 40), then positions 20..69 of a second request
     qsl, seq = np.array([0, 1, 51]), np.array([40, 70])
-    table = torch.tensor([[3, 4, 0], [6, 7, 8]], dtype=torch.int32)
-    assert plan_prefills(qsl, seq, table, 32, 0, None, "cpu", 1 << 16)[0].seg_cu_q is None
-    (p,) = plan_prefills(qsl, seq, table, 32, 0, None, "cpu", 1 << 16, segment=32)
-    assert p.block_ids.tolist() == [3, 4, 0, 6, 7, 8]  # token t of request i: row 96 i + t
-    # segments [32,40) | [0,32) [32,64) [64,70)
+    table = torch.tensor([[3, 0], [6, 7]], dtype=torch.int32)
+    rows = [5, 9]
+    assert plan_prefills(qsl, seq, table, 64, 0, rows, "cpu", 1 << 16, True)[0].seg_cu_q is None
+    (p,) = plan_prefills(qsl, seq, table, 64, 32, rows, "cpu", 1 << 16, True)
+    assert p.block_ids.tolist() == [3, 0, 6, 7]  # group-local pages 0..3
+    # segments: [32,40) of request 0 | [0,32) [32,64) [64,70) of request 1
     assert p.seg_cu_q.tolist() == [0, 1, 13, 45, 51]
-    assert p.seg_cu_k.tolist() == [0, 8, 40, 72, 78]
-    assert p.fp_src.tolist() == [*range(32, 40), *range(96, 96 + 70)]
-    assert p.code_len.tolist() == [32, 32, 64] and p.code_req.tolist() == [0, 1, 1]
-    assert p.code_rows.tolist() == [0, *range(13, 51)]
-    assert p.store_rows.numel() == 0 and p.win_tokens.numel() == 0
+    assert p.seg_end.tolist() == [40, 32, 64, 70]
+    assert p.seg_page.tolist() == [0, 2, 2, 3]
+    assert p.seg_table.tolist() == [[4, 1], [5, 3], [6, 3], [2, 7]]
+    # keys of segment s land in row s*64 + position % 64 of the page copies
+    assert p.fp_dst.tolist() == [*range(32, 40), *range(64, 96), *range(160, 192),
+                                 *range(192, 198)]
+    assert p.seg_cu_k.tolist() == [0, 8, 40, 72, 78]  # one key per fp_dst entry
+    assert (p.fp_src.numel(), p.fp_dst.numel()) == (78, 78)
+    assert plan_prefills(qsl, seq, table, 64, 32, rows, "cpu", 1 << 16)[0].seg_table is None

@@ -25,13 +25,6 @@ logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler, see __init__
 
 MAX_QUERY_HEADS_PER_CTA = 8  # the decode kernel's MMA covers 8 query heads
 MIN_PREFILL_PAGE_TOKENS = 65536
-# Batch-invariant mode with window 0: queries are cut into segments of this many positions
-# (aligned to position 0) exactly as a window of this size would cut them, with every key
-# still read through its codes. One token's arithmetic is then the same however the
-# scheduler cut its prompt (one non-causal call over the keys before its segment, one
-# causal call within it); a single causal call over the whole history was not (one bf16
-# ulp apart between token-by-token and one-shot on H200).
-BATCH_INVARIANT_SEGMENT = 32
 
 
 def prefill_page_tokens(max_model_len: int, block_size: int) -> int:
@@ -57,20 +50,25 @@ class PrefillPlan:
     max_q: int
     seq_lens: torch.Tensor
     max_k: int
-    # window > 0 (or batch-invariant mode): segments and the codes part, see
-    # layout.window_start; with window 0 the segments' keys are dequantized pages too
+    # window > 0: segments and the codes part, see layout.window_start
     seg_cu_q: torch.Tensor | None = None
     seg_max_q: int = 0
     seg_cu_k: torch.Tensor | None = None
     seg_max_k: int = 0
-    fp_src: torch.Tensor | None = None  # keys: index into [chunk rows ; store entries],
-    # or with window 0 into the group's dequantized pages flattened to token rows
+    fp_src: torch.Tensor | None = None  # keys: index into [chunk rows ; store entries]
     store_rows: torch.Tensor | None = None
     store_slots: torch.Tensor | None = None
     code_rows: torch.Tensor | None = None
     code_cu_q: torch.Tensor | None = None
     code_len: torch.Tensor | None = None
     code_req: torch.Tensor | None = None
+    # batch-invariant mode, window > 0: each segment a request of its own whose last page is
+    # a copy of its page (group-local index seg_page) with the segment's keys written at
+    # fp_dst (rows of those copies flattened to tokens); seg_table/seg_end its pages/length
+    seg_page: torch.Tensor | None = None
+    fp_dst: torch.Tensor | None = None
+    seg_table: torch.Tensor | None = None
+    seg_end: torch.Tensor | None = None
     win_tokens: torch.Tensor | None = None  # rows written to the window store afterwards
     win_rows: torch.Tensor | None = None
     win_pos: torch.Tensor | None = None
@@ -116,10 +114,8 @@ def plan_prefill(
     window: int,
     rows: list[int] | None,
     device,
-    segment: int = 0,
+    batch_invariant: bool = False,
 ) -> PrefillPlan:
-    """``segment`` > 0 with ``window`` 0: the batch-invariant segmentation (see
-    BATCH_INVARIANT_SEGMENT); a window > 0 always segments by the window."""
     starts = (qsl - qsl[0]).astype(np.int64)
     q_lens = np.diff(starts)
     lens = seq_lens.astype(np.int64)
@@ -136,34 +132,34 @@ def plan_prefill(
         seq_lens=_i32(lens, device),
         max_k=int(lens.max()),
     )
-    seg = window if window > 0 else segment
-    if seg <= 0:
+    if window <= 0:
         return plan
     total_q = int(starts[-1])
     seg_q, seg_k, fp_src, st_rows, st_slots = [0], [0], [], [], []
     code_rows, code_q, code_len, code_req = [], [0], [], []
+    seg_page, fp_dst, seg_end = [], [], []
     win_tok, win_rows, win_pos = [], [], []
     for i in range(n):
         length, first, tok0 = int(lens[i]), int(lens[i] - q_lens[i]), int(starts[i])
-        for g0 in range(window_start(first, seg), length, seg):
-            a, e = max(first, g0), min(length, g0 + seg)
+        for g0 in range(window_start(first, window), length, window):
+            a, e = max(first, g0), min(length, g0 + window)
             seg_q.append(seg_q[-1] + e - a)
-            if window > 0:
-                n_store = max(0, first - g0)  # earlier tokens of this segment
-                fp_src.extend(range(total_q + len(st_rows), total_q + len(st_rows) + n_store))
-                st_rows.extend([rows[i]] * n_store)
-                st_slots.extend(range(g0 % window, g0 % window + n_store))
-                fp_src.extend(range(tok0 + max(0, g0 - first), tok0 + e - first))
-            else:
-                fp_src.extend(range(i * nb * block_size + g0, i * nb * block_size + e))
+            n_store = max(0, first - g0)  # earlier tokens of this segment
+            fp_src.extend(range(total_q + len(st_rows), total_q + len(st_rows) + n_store))
+            st_rows.extend([rows[i]] * n_store)
+            st_slots.extend(range(g0 % window, g0 % window + n_store))
+            fp_src.extend(range(tok0 + max(0, g0 - first), tok0 + e - first))
             seg_k.append(seg_k[-1] + e - g0)
             if g0 > 0:
                 code_rows.extend(range(tok0 + a - first, tok0 + e - first))
                 code_q.append(code_q[-1] + e - a)
                 code_len.append(g0)
                 code_req.append(i)
-        if window <= 0:
-            continue
+            if batch_invariant:
+                s0 = len(seg_page) * block_size + g0 % block_size
+                fp_dst.extend(range(s0, s0 + e - g0))
+                seg_page.append(i * nb + g0 // block_size)
+                seg_end.append(e)
         last = max(first, window_start(length - 1, window))
         win_tok.extend(range(tok0 + last - first, tok0 + length - first))
         win_rows.extend([rows[i]] * (length - last))
@@ -179,6 +175,14 @@ def plan_prefill(
     plan.code_cu_q = _i32(code_q, device)
     plan.code_len = _i32(code_len, device)
     plan.code_req = _i64(code_req, device)
+    if batch_invariant:
+        pages = np.asarray(seg_page, dtype=np.int64)
+        table = (pages // nb * nb)[:, None] + np.arange(nb)  # the request's own pages
+        table[np.arange(len(pages)), pages % nb] = n * nb + np.arange(len(pages))
+        plan.seg_page = _i64(pages, device)
+        plan.fp_dst = _i64(fp_dst, device)
+        plan.seg_table = _i32(table, device)
+        plan.seg_end = _i32(seg_end, device)
     plan.win_tokens = _i64(win_tok, device)
     plan.win_rows = _i64(win_rows, device)
     plan.win_pos = _i64(win_pos, device)
@@ -186,7 +190,7 @@ def plan_prefill(
 
 
 def plan_prefills(qsl, seq_lens, block_table, block_size, window, rows, device, page_tokens,
-                  segment=0):
+                  batch_invariant=False):
     """Prefill requests split into consecutive groups whose dequantized pages (padded to
     the group's longest history) stay within ``page_tokens``; one plan per group."""
     plans, i, n = [], 0, len(seq_lens)
@@ -197,7 +201,7 @@ def plan_prefills(qsl, seq_lens, block_table, block_size, window, rows, device, 
             widest = max(widest, blocks[j])
             j += 1
         p = plan_prefill(qsl[i : j + 1], seq_lens[i:j], block_table[i:j], block_size, window,
-                         rows[i:j] if rows is not None else None, device, segment)
+                         rows[i:j] if rows is not None else None, device, batch_invariant)
         p.tok_start, p.tok_end = int(qsl[i] - qsl[0]), int(qsl[j] - qsl[0])
         p.req_start, p.req_end = i, j
         plans.append(p)
@@ -210,11 +214,14 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
     prefill plan on the CPU and stay eager.
 
     Batch-invariant mode (VLLM_BATCH_INVARIANT=1) sends every query, decodes included,
-    through the prefill path with a single FlashAttention split, so that a token's
-    attention is the same arithmetic whether it is decoded, prefilled in one chunk or in
-    many, recomputed after preemption, or batched with anything else (bitwise on H200,
-    tests/test_attention.py), at the price of dequantizing each request's history at
-    every decode step."""
+    through the prefill path, with vLLM's Triton attention in place of FlashAttention, so
+    that a token's attention is the same arithmetic whether it is decoded, prefilled in
+    one chunk or in many, recomputed after preemption, or batched with anything else, at
+    the price of dequantizing each request's history at every decode step. FlashAttention
+    with one split was bitwise for one request but not across batch compositions (vLLM on
+    H200 with chunked prefill: 13/24 identical greedy outputs for FLASH_ATTN, 24/24 for
+    TRITON_ATTN, eval/results/vllm_features_batch_invariant_eager*.json).
+    """
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = (
         AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
@@ -261,8 +268,8 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
         if self.batch_invariant:
             logger.info(
                 "vllm_pq_backend: VLLM_BATCH_INVARIANT=1, decodes run the prefill path "
-                "(dequantized history + FlashAttention, one split), slower than the "
-                "decode kernel."
+                "(dequantized history + vLLM's Triton attention), slower than the decode "
+                "kernel."
             )
 
     def build(
@@ -304,7 +311,7 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
                 rows_cpu[nd:] if rows_cpu is not None else None,
                 self.device,
                 self.prefill_page_tokens,
-                BATCH_INVARIANT_SEGMENT if self.batch_invariant else 0,
+                self.batch_invariant,
             )
         return PQMetadata(
             num_reqs=n,

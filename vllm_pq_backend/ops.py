@@ -1,5 +1,6 @@
 """Where each numeric step runs: CUDA kernels (csrc/) on the GPU when built, FlashAttention
-for prefill over dequantized pages, and the plain PyTorch reference everywhere else."""
+for prefill over dequantized pages (vLLM's Triton attention in batch-invariant mode), and
+the plain PyTorch reference everywhere else."""
 
 from __future__ import annotations
 
@@ -54,6 +55,15 @@ def _flash_attn():
     except ImportError:
         return None
     return flash_attn_varlen_func, get_flash_attn_version
+
+
+def triton_attn_for(t: torch.Tensor):
+    """vLLM's unified Triton attention for tensors on ``t``'s device (batch-invariant mode)."""
+    if not t.is_cuda:
+        return None
+    from vllm.v1.attention.ops.triton_unified_attention import unified_attention
+
+    return unified_attention
 
 
 def lut_scores(num_heads: int, num_kv_heads: int, head_dim: int, m: int) -> bool:
@@ -157,10 +167,13 @@ def prefill(out, query, key, value, kv_cache, md, state, scale: float) -> None:
     """Queries of rows ``md.num_decode_tokens:`` (prefill and chunked-prefill rows), one
     group of requests at a time (metadata.plan_prefills bounds each group's pages)."""
     fa = flash_attn_for(query)
+    bi = triton_attn_for(query) if md.batch_invariant else None
     for p in md.prefills:
         rows = slice(md.num_decode_tokens + p.tok_start, md.num_decode_tokens + p.tok_end)
         q, k, v = query[rows], key[rows], value[rows]
-        if fa is None:
+        if bi is not None:
+            _prefill_batch_invariant(bi, p, out[rows], q, k, v, kv_cache, state, scale)
+        elif fa is None:
             table = md.block_table[md.num_decodes + p.req_start : md.num_decodes + p.req_end]
             res = reference.attention(
                 q, k, v, kv_cache, state.k_cb32, state.v_cb32, state.layout,
@@ -169,7 +182,7 @@ def prefill(out, query, key, value, kv_cache, md, state, scale: float) -> None:
             )
             out[rows] = res.to(out.dtype)
         else:
-            _prefill_fa(fa, p, out[rows], q, k, v, kv_cache, state, scale, md.batch_invariant)
+            _prefill_fa(fa, p, out[rows], q, k, v, kv_cache, state, scale)
         if state.window > 0 and p.win_tokens.numel():
             reference.window_write(
                 state.win_k, state.win_v, k[p.win_tokens], v[p.win_tokens], p.win_rows,
@@ -185,9 +198,16 @@ def prefill_scratch_bytes(page_tokens: int, num_kv_heads: int, head_dim: int, m:
     return page_tokens * num_kv_heads * per_head
 
 
-def _prefill_fa(fa, p, out, q, k, v, kv_cache, state, scale, batch_invariant) -> None:
+def _segment_keys(p, k, v, state):
+    """Full-precision keys/values of every segment in order (``p.fp_src`` indexes these
+    rows): this chunk's rows, then the window store's entries of earlier steps."""
+    src_k = torch.cat([k, state.win_k[p.store_rows, :, p.store_slots]])
+    src_v = torch.cat([v, state.win_v[p.store_rows, :, p.store_slots]])
+    return src_k[p.fp_src], src_v[p.fp_src]
+
+
+def _prefill_fa(fa, p, out, q, k, v, kv_cache, state, scale) -> None:
     varlen, fa_version = fa
-    num_splits = 1 if batch_invariant else 0  # FA3's split heuristic depends on the batch
     kp, vp = dequant_pages(kv_cache, p.block_ids, state.k_cb, state.v_cb, state.layout)
     table = torch.arange(p.block_ids.numel(), device=q.device, dtype=torch.int32)
     table = table.view(p.num_prefills, -1)
@@ -196,22 +216,15 @@ def _prefill_fa(fa, p, out, q, k, v, kv_cache, state, scale, batch_invariant) ->
         varlen(
             q=q, k=kp, v=vp, out=out, cu_seqlens_q=p.cu_q, max_seqlen_q=p.max_q,
             seqused_k=p.seq_lens, max_seqlen_k=p.max_k, softmax_scale=scale, causal=True,
-            block_table=table, fa_version=version, num_splits=num_splits,
+            block_table=table, fa_version=version,
         )
         return
-    # Segment part: each segment attends causally to its own tokens. Keys of a window
-    # segment: its earlier tokens from the window store, then this chunk's (full
-    # precision); of a batch-invariant window-0 segment: its dequantized page tokens.
-    if state.window > 0:
-        src_k = torch.cat([k, state.win_k[p.store_rows, :, p.store_slots]])
-        src_v = torch.cat([v, state.win_v[p.store_rows, :, p.store_slots]])
-    else:
-        src_k, src_v = kp.flatten(0, 1), vp.flatten(0, 1)
+    # Segment part: each segment attends causally to its own tokens at full precision.
+    seg_k, seg_v = _segment_keys(p, k, v, state)
     o_fp, lse_fp = varlen(
-        q=q, k=src_k[p.fp_src], v=src_v[p.fp_src], cu_seqlens_q=p.seg_cu_q,
-        max_seqlen_q=p.seg_max_q, cu_seqlens_k=p.seg_cu_k, max_seqlen_k=p.seg_max_k,
-        softmax_scale=scale, causal=True, return_softmax_lse=True, fa_version=version,
-        num_splits=num_splits,
+        q=q, k=seg_k, v=seg_v, cu_seqlens_q=p.seg_cu_q, max_seqlen_q=p.seg_max_q,
+        cu_seqlens_k=p.seg_cu_k, max_seqlen_k=p.seg_max_k, softmax_scale=scale, causal=True,
+        return_softmax_lse=True, fa_version=version,
     )
     if p.code_rows.numel() == 0:
         out.copy_(o_fp)
@@ -221,7 +234,30 @@ def _prefill_fa(fa, p, out, q, k, v, kv_cache, state, scale, batch_invariant) ->
         q=q[p.code_rows], k=kp, v=vp, cu_seqlens_q=p.code_cu_q, max_seqlen_q=p.seg_max_q,
         seqused_k=p.code_len, max_seqlen_k=p.max_k, softmax_scale=scale, causal=False,
         block_table=table[p.code_req], return_softmax_lse=True, fa_version=version,
-        num_splits=num_splits,
     )
     out.copy_(o_fp)
     out[p.code_rows] = _merge(o_fp[p.code_rows], lse_fp[:, p.code_rows], o_c, lse_c).to(out.dtype)
+
+
+def _prefill_batch_invariant(attn, p, out, q, k, v, kv_cache, state, scale) -> None:
+    """One causal call of vLLM's unified Triton attention, whose per-row arithmetic (fixed
+    tiles from key position 0, no splits under VLLM_BATCH_INVARIANT) depends on nothing
+    else in the batch. With a window, each segment is a request of its own: the history's
+    dequantized pages before the segment's page, then a copy of that page whose tokens from
+    the segment start on are the segment's full-precision keys (W divides the page), so
+    the codes/full-precision split of layout.window_start needs no LSE merge."""
+    kp, vp = dequant_pages(kv_cache, p.block_ids, state.k_cb, state.v_cb, state.layout)
+    if p.seg_cu_q is None:
+        table = torch.arange(p.block_ids.numel(), device=q.device, dtype=torch.int32)
+        cu_q, max_q, used, table = p.cu_q, p.max_q, p.seq_lens, table.view(p.num_prefills, -1)
+    else:
+        fk, fv = kp[p.seg_page], vp[p.seg_page]  # copies
+        fk.flatten(0, 1)[p.fp_dst], fv.flatten(0, 1)[p.fp_dst] = _segment_keys(p, k, v, state)
+        kp, vp = torch.cat([kp, fk]), torch.cat([vp, fv])
+        cu_q, max_q, used, table = p.seg_cu_q, p.seg_max_q, p.seg_end, p.seg_table
+    one = torch.ones(1, dtype=torch.float32, device=q.device).expand(used.numel(), kp.shape[2])
+    attn(
+        q=q, k=kp, v=vp, out=out, cu_seqlens_q=cu_q, max_seqlen_q=max_q, seqused_k=used,
+        max_seqlen_k=p.max_k, softmax_scale=scale, causal=True, window_size=(-1, -1),
+        block_table=table, softcap=0, q_descale=None, k_descale=one, v_descale=one,
+    )

@@ -15,7 +15,6 @@ backend is not chunk-invariant. The first differing layer and tensor are the ans
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -24,7 +23,7 @@ import tempfile
 import torch
 
 from provenance import provenance  # eval/ is the script's directory
-from vllm_features import in_own_process
+from vllm_features import engine_arguments, in_own_process
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
 os.environ["VLLM_BATCH_INVARIANT"] = "1"
@@ -88,12 +87,7 @@ def compare(a, b, rows):
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True)
-    p.add_argument("--heldout", required=True)
-    p.add_argument("--backends", nargs="+", default=["CUSTOM", "FLASH_ATTN"])
-    p.add_argument("--m", type=int, default=32)
-    p.add_argument("--window", type=int, default=128)
+    p = engine_arguments(__doc__)
     p.add_argument("--prompt-tokens", type=int, default=700)
     p.add_argument("--chunk", type=int, default=64)
     p.add_argument("--gen-tokens", type=int, default=16)

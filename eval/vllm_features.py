@@ -112,13 +112,19 @@ def compare(tokens, base, base_lp):
     return f"{same}/{len(base)}", divs
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def engine_arguments(doc: str) -> argparse.ArgumentParser:
+    """The arguments every engine-comparing script here takes."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--model", required=True)
     p.add_argument("--heldout", required=True)
     p.add_argument("--backends", nargs="+", default=["CUSTOM", "FLASH_ATTN"])
     p.add_argument("--m", type=int, default=32)
     p.add_argument("--window", type=int, default=128)
+    return p
+
+
+def main() -> int:
+    p = engine_arguments(__doc__)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--gen-tokens", type=int, default=48)
     p.add_argument("--batch-invariant", action="store_true",

@@ -164,28 +164,21 @@ def plan_prefill(
         win_tok.extend(range(tok0 + last - first, tok0 + length - first))
         win_rows.extend([rows[i]] * (length - last))
         win_pos.extend(range(last, length))
-    plan.seg_cu_q = _i32(seg_q, device)
-    plan.seg_max_q = int(np.diff(seg_q).max())
-    plan.seg_cu_k = _i32(seg_k, device)
-    plan.seg_max_k = int(np.diff(seg_k).max())
-    plan.fp_src = _i64(fp_src, device)
-    plan.store_rows = _i64(st_rows, device)
-    plan.store_slots = _i64(st_slots, device)
-    plan.code_rows = _i64(code_rows, device)
-    plan.code_cu_q = _i32(code_q, device)
-    plan.code_len = _i32(code_len, device)
-    plan.code_req = _i64(code_req, device)
+    i32 = dict(seg_cu_q=seg_q, seg_cu_k=seg_k, code_cu_q=code_q, code_len=code_len)
+    i64 = dict(fp_src=fp_src, store_rows=st_rows, store_slots=st_slots, code_rows=code_rows,
+               code_req=code_req, win_tokens=win_tok, win_rows=win_rows, win_pos=win_pos)
     if batch_invariant:
         pages = np.asarray(seg_page, dtype=np.int64)
         table = (pages // nb * nb)[:, None] + np.arange(nb)  # the request's own pages
         table[np.arange(len(pages)), pages % nb] = n * nb + np.arange(len(pages))
-        plan.seg_page = _i64(pages, device)
-        plan.fp_dst = _i64(fp_dst, device)
-        plan.seg_table = _i32(table, device)
-        plan.seg_end = _i32(seg_end, device)
-    plan.win_tokens = _i64(win_tok, device)
-    plan.win_rows = _i64(win_rows, device)
-    plan.win_pos = _i64(win_pos, device)
+        i32.update(seg_table=table, seg_end=seg_end)
+        i64.update(seg_page=pages, fp_dst=fp_dst)
+    for name, x in i32.items():
+        setattr(plan, name, _i32(x, device))
+    for name, x in i64.items():
+        setattr(plan, name, _i64(x, device))
+    plan.seg_max_q = int(np.diff(seg_q).max())
+    plan.seg_max_k = int(np.diff(seg_k).max())
     return plan
 
 

@@ -135,6 +135,8 @@ def main() -> int:
                    "no CUDA graphs): separates compiled-kernel numerics from scheduling")
     p.add_argument("--out")
     args = p.parse_args()
+    if args.variants[0] != "baseline":
+        p.error("--variants must start with baseline: every variant is compared with it")
     if args.batch_invariant:
         os.environ["VLLM_BATCH_INVARIANT"] = "1"  # read when vLLM is imported, below
     args.out = args.out or "eval/results/vllm_features{}.json".format(

@@ -81,8 +81,8 @@ class PQAttentionBackend(AttentionBackend):
 
     @classmethod
     def supports_batch_invariance(cls) -> bool:
-        # VLLM_BATCH_INVARIANT=1: every query runs the prefill path with one FlashAttention
-        # split (metadata.PQMetadataBuilder), independent of how the batch is formed.
+        # VLLM_BATCH_INVARIANT=1: every query runs the prefill path on vLLM's Triton
+        # attention (metadata.PQMetadataBuilder), independent of how the batch is formed.
         return True
 
     @classmethod

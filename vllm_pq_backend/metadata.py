@@ -46,6 +46,7 @@ class PrefillPlan:
     seq_lens_cpu: list[int]
     rows_cpu: list[int] | None
     block_ids: torch.Tensor  # [num_prefills * blocks] pages to dequantize
+    page_table: torch.Tensor  # [num_prefills, blocks] each request's rows of those pages
     cu_q: torch.Tensor
     max_q: int
     seq_lens: torch.Tensor
@@ -121,12 +122,14 @@ def plan_prefill(
     lens = seq_lens.astype(np.int64)
     n = len(lens)
     nb = int(-(-lens.max() // block_size))
+    pages_of = np.arange(n * nb).reshape(n, nb)  # request -> its rows of the group's pages
     plan = PrefillPlan(
         num_prefills=n,
         query_start_loc_cpu=starts.tolist(),
         seq_lens_cpu=lens.tolist(),
         rows_cpu=rows,
         block_ids=block_table[:, :nb].flatten(),
+        page_table=_i32(pages_of, device),
         cu_q=_i32(starts, device),
         max_q=int(q_lens.max()),
         seq_lens=_i32(lens, device),
@@ -169,8 +172,8 @@ def plan_prefill(
                code_req=code_req, win_tokens=win_tok, win_rows=win_rows, win_pos=win_pos)
     if batch_invariant:
         pages = np.asarray(seg_page, dtype=np.int64)
-        table = (pages // nb * nb)[:, None] + np.arange(nb)  # the request's own pages
-        table[np.arange(len(pages)), pages % nb] = n * nb + np.arange(len(pages))
+        table = pages_of[pages // nb]  # a copy: the request's pages, its segment's page
+        table[np.arange(len(pages)), pages % nb] = n * nb + np.arange(len(pages))  # -> copy
         i32.update(seg_table=table, seg_end=seg_end)
         i64.update(seg_page=pages, fp_dst=fp_dst)
     for name, x in i32.items():

@@ -209,14 +209,12 @@ def _segment_keys(p, k, v, state):
 def _prefill_fa(fa, p, out, q, k, v, kv_cache, state, scale) -> None:
     varlen, fa_version = fa
     kp, vp = dequant_pages(kv_cache, p.block_ids, state.k_cb, state.v_cb, state.layout)
-    table = torch.arange(p.block_ids.numel(), device=q.device, dtype=torch.int32)
-    table = table.view(p.num_prefills, -1)
     version = fa_version(head_size=q.shape[-1])
     if p.seg_cu_q is None:  # window 0: one causal call over the pages
         varlen(
             q=q, k=kp, v=vp, out=out, cu_seqlens_q=p.cu_q, max_seqlen_q=p.max_q,
             seqused_k=p.seq_lens, max_seqlen_k=p.max_k, softmax_scale=scale, causal=True,
-            block_table=table, fa_version=version,
+            block_table=p.page_table, fa_version=version,
         )
         return
     # Segment part: each segment attends causally to its own tokens at full precision.
@@ -233,7 +231,7 @@ def _prefill_fa(fa, p, out, q, k, v, kv_cache, state, scale) -> None:
     o_c, lse_c = varlen(
         q=q[p.code_rows], k=kp, v=vp, cu_seqlens_q=p.code_cu_q, max_seqlen_q=p.seg_max_q,
         seqused_k=p.code_len, max_seqlen_k=p.max_k, softmax_scale=scale, causal=False,
-        block_table=table[p.code_req], return_softmax_lse=True, fa_version=version,
+        block_table=p.page_table[p.code_req], return_softmax_lse=True, fa_version=version,
     )
     out.copy_(o_fp)
     out[p.code_rows] = _merge(o_fp[p.code_rows], lse_fp[:, p.code_rows], o_c, lse_c).to(out.dtype)
@@ -248,8 +246,7 @@ def _prefill_batch_invariant(attn, p, out, q, k, v, kv_cache, state, scale) -> N
     the codes/full-precision split of layout.window_start needs no LSE merge."""
     kp, vp = dequant_pages(kv_cache, p.block_ids, state.k_cb, state.v_cb, state.layout)
     if p.seg_cu_q is None:
-        table = torch.arange(p.block_ids.numel(), device=q.device, dtype=torch.int32)
-        cu_q, max_q, used, table = p.cu_q, p.max_q, p.seq_lens, table.view(p.num_prefills, -1)
+        cu_q, max_q, used, table = p.cu_q, p.max_q, p.seq_lens, p.page_table
     else:
         fk, fv = kp[p.seg_page], vp[p.seg_page]  # copies
         fk.flatten(0, 1)[p.fp_dst], fv.flatten(0, 1)[p.fp_dst] = _segment_keys(p, k, v, state)

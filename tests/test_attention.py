@@ -37,10 +37,15 @@ def check(sim, outs, window):
         assert err < sim.tol, f"request {rid}: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("head_dim,q_heads,kv_heads", [(64, 4, 2), (128, 8, 2), (64, 3, 3)])
+@pytest.mark.parametrize("head_dim,q_heads,kv_heads,transforms", [
+    (64, 4, 2, False), (128, 8, 2, False), (64, 3, 3, False), (64, 4, 2, True),
+    (128, 8, 2, True)])
 @pytest.mark.parametrize("window", [0, 32])
-def test_prefill_decode_mixed(model_factory, target, head_dim, q_heads, kv_heads, window):
-    model = model_factory(head_dim, q_heads, kv_heads)
+def test_prefill_decode_mixed(model_factory, target, head_dim, q_heads, kv_heads, transforms,
+                              window):
+    """With ``transforms`` the codebooks carry K/V maps: the check dequantizes in the
+    mapped frame and maps back, independently of the backend's q/output maps."""
+    model = model_factory(head_dim, q_heads, kv_heads, transforms)
     vc = vllm_config(model, block_size=64, pq={"window": window, "m": head_dim // 4})
     sim = make_sim(vc, target, seed=head_dim + window)
     for rid in range(4):

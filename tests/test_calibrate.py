@@ -45,7 +45,87 @@ def test_calibrate_writes_valid_codebooks(tmp_path, capsys):
     with safe_open(str(out), "pt") as f:
         k = f.get_tensor("k_centroids")
         meta = json.loads(f.metadata()["calibration"])
+        tk = f.get_tensor("k_transform")
     assert k.shape == (2, 2, 8, 256, 4) and torch.isfinite(k).all()
     assert k[0, 0, 0].std() > 0  # trained, not left at zero
+    assert tk.shape == (2, 2, 32, 32) and torch.linalg.matrix_rank(tk[0, 0]) == 32
     assert meta["documents"] == 2 and 500 < meta["tokens"] <= 1500 and len(meta["rel_mse_k"]) == 2
+    assert info.transforms == ("k_transform", "v_transform")
     assert "wrote" in capsys.readouterr().out
+
+
+def test_kmeans_finds_separated_clusters_and_honours_weights():
+    from vllm_pq_backend.kmeans import kmeans
+
+    g = torch.Generator().manual_seed(0)
+    centers = torch.randn(2, 256, 2, generator=g) * 100  # 2 problems, 256 far-apart clusters
+    x = centers.repeat_interleave(8, 1) + torch.randn(2, 2048, 2, generator=g) * 0.01
+    c, err = kmeans(x, niter=20, seed=0)
+    assert c.shape == (2, 256, 2)
+    assert (err < 1e-3).all(), err  # every cluster found: only the noise is left
+    # one point with all the weight among 300 random ones ends up (nearly) exact
+    y = torch.randn(1, 300, 2, generator=g)
+    w = torch.ones(1, 300)
+    w[0, 7] = 1e6
+    c, _ = kmeans(y, w, k=4, niter=10, seed=0)
+    assert ((c[0] - y[0, 7]).norm(dim=-1).min() < 1e-3)
+
+
+def test_balanced_axes_is_orthogonal_and_spreads_variance():
+    from vllm_pq_backend.calibrate import balanced_axes
+
+    g = torch.Generator().manual_seed(0)
+    scales = torch.tensor([64.0, 32, 16, 8, 4, 2, 1, 0.5])
+    x = torch.randn(5000, 1, 8, generator=g) * scales
+    r = balanced_axes(x, 4)[0].float()
+    assert torch.allclose(r.T @ r, torch.eye(8), atol=1e-5)
+    var = (x[:, 0] @ r).var(0).log().view(4, 2).sum(1)  # log-variance per subspace
+    plain = x[:, 0].var(0).log().view(4, 2).sum(1)
+    assert var.max() - var.min() < 0.5 * (plain.max() - plain.min())
+
+
+def test_query_metric_lowers_the_score_error():
+    """K codebooks trained in the query metric make q.k errors smaller than plain L2 ones
+    when queries are anisotropic (what calibrate's default K transform is for)."""
+    from vllm_pq_backend.calibrate import LayerStats, Method, train_layer
+
+    g = torch.Generator().manual_seed(0)
+    n, d = 8192, 8
+    k = torch.randn(n, 1, d, generator=g)
+    q = torch.randn(4096, d, generator=g) * torch.tensor([8.0, 4, 1, 1, 0.25, 0.25, 0.1, 0.1])
+    st = LayerStats(k=[k.half()], v=[k.half()], mass=[torch.ones(n, 1)],
+                    qa=(q.T @ q).double().view(1, d, d))
+    err = {}
+    for name, method in {"plain": Method(k_gamma=0, k_rotate=False, v_rotate=False, v_alpha=0,
+                                         niter=10),
+                         "query": Method(k_gamma=1, k_rotate=True, v_rotate=False, v_alpha=0,
+                                         niter=10)}.items():
+        b = train_layer(st, 4, 4, method, 0, "cpu")
+        t = b["k_transform"]
+        kt = k if t is None else torch.einsum("nhd,hde->nhe", k, t)
+        cb = b["k"]
+        from vllm_pq_backend.reference import decode_codes, encode
+
+        rec = decode_codes(encode(kt, cb), cb)
+        if t is not None:
+            rec = torch.einsum("nhe,hed->nhd", rec, torch.linalg.inv(t))
+        err[name] = float(((k - rec)[:, 0] @ q.T).square().mean())
+    assert err["query"] < 0.7 * err["plain"], err
+
+
+def test_calibrate_rejects_bad_inputs_in_one_line(tmp_path, capsys):
+    import pytest
+
+    model = tiny_model(tmp_path / "model")
+    with pytest.raises(SystemExit) as e:
+        main(["--model", model, "--text", str(tmp_path), "--m", "5"])
+    assert e.value.code == 2 and "supports M in [4, 8, 16]" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["--model", model, "--text", str(tmp_path), "--m", "0"])
+    assert e.value.code == 2 and "--m must be a positive integer" in capsys.readouterr().err
+    assert main(["--model", str(tmp_path / "nope"), "--text", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no config.json" in err[0]
+    assert main(["--model", model, "--text", str(tmp_path / "missing.txt")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "calibration text not found" in err[0]

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from vllm_pq_backend import reference
-from vllm_pq_backend.calibrate import train_pq
+from vllm_pq_backend.calibrate import train_quantizer
 from vllm_pq_backend.layout import PageLayout, window_start
 
 
@@ -35,7 +35,8 @@ def test_reconstruction_error_falls_as_m_grows():
     rng = np.random.default_rng(0)
     # correlated, heavy-tailed rows like real K/V
     x = (rng.standard_t(4, size=(12000, 32)) @ rng.normal(size=(32, 32))).astype(np.float32)
-    errs = [train_pq(x, m, niter=10, seed=0)[1] for m in (4, 8, 16)]
+    x = torch.from_numpy(x).view(-1, 1, 32)
+    errs = [float(train_quantizer(x, m, None, None, niter=10, seed=0)[1]) for m in (4, 8, 16)]
     assert errs[0] > errs[1] > errs[2] > 0, errs
     assert errs[2] < 0.1, errs
 

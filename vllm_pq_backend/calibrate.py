@@ -1,13 +1,29 @@
 """Train PQ codebooks for a model from local calibration text.
 
-    python -m vllm_pq_backend.calibrate --model MODEL_DIR --text DOCS_DIR_OR_FILES [--m 32]
+    python -m vllm_pq_backend.calibrate --model MODEL_DIR --text DOCS_DIR_OR_FILES [--bits 4]
 
-Runs the model (transformers, offline) over the text, captures K after RoPE and V exactly
-as attention sees them, per layer and KV head, and trains one 8-bit product quantizer per
-(layer, head, K|V) with faiss: its ProductQuantizer is the reference PQ trainer (MILLION
-uses it too), multi-threaded k-means that re-seeds empty clusters, fast enough that a
-30-layer model trains in minutes on a CPU. The file lands next to the model, where the
-backend looks by default.
+Runs the model (transformers, offline) over the text and records, per layer and KV head,
+K and V exactly as attention sees them, and how attention uses them: the query second
+moment (weighted by each query's attention to keys it would read through codes) and the
+attention mass each token receives from such queries. Then per (layer, KV head):
+
+* K is trained for the error of the attention *scores*, not of k. A key error e costs
+  (q.e)^2, whose mean over queries is e^T A e with A = E[q q^T]. So keys are mapped
+  k' = k T with T = A^(gamma/2) (gamma = 1 makes L2 in k' exactly that score error;
+  smaller gamma compresses A's eigenvalues, which keeps a few dominant query directions
+  from starving the rest), then rotated onto the principal axes of k' with the axes
+  dealt to subspaces so that their variance products balance (OPQ's eigenvalue
+  allocation): every subspace's 256 centroids get an equal share of the work. The
+  backend applies T to keys and T^-T to queries (q'.k' = q.k), so the store's plain
+  nearest-centroid search is the weighted one, and nothing in the kernels changes.
+* V is weighted by attention mass: a token's value error reaches the output in
+  proportion to the attention it gets, so k-means counts each token with weight
+  mass^alpha. V gets the same principal-axis rotation (the backend rotates V before
+  the store and the attention output back).
+* The first token (BOS, an attention sink) is pinned: exact in every codebook.
+
+k-means runs on the GPU when there is one (vllm_pq_backend/kmeans.py), all subspaces of
+a layer at once. The file lands next to the model, where the backend looks by default.
 """
 
 from __future__ import annotations
@@ -15,19 +31,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import sys
 import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from .codebooks import fingerprint_fields, head_dim_of, save_codebooks
+from .codebooks import (codebook_path_hint, fingerprint_fields, head_dim_of, save_codebooks,
+                        supported_bits)
 from .config import default_codebook_path
-from .layout import NUM_CENTROIDS
+from .kmeans import kmeans
+from .layout import NUM_CENTROIDS, window_start
 
 TEXT_SUFFIXES = (".txt", ".rst", ".md", ".jsonl")
+
+
+class CalibrationError(ValueError):
+    """A bad input, reported as one line by main()."""
 
 
 def read_documents(paths: list[str]) -> list[str]:
@@ -39,7 +60,7 @@ def read_documents(paths: list[str]) -> list[str]:
         elif p.is_file():
             files.append(p)
         else:
-            raise FileNotFoundError(f"calibration text not found: {p}")
+            raise CalibrationError(f"calibration text not found: {p}")
     docs = []
     for f in files:
         if f.suffix == ".jsonl":
@@ -49,7 +70,8 @@ def read_documents(paths: list[str]) -> list[str]:
             docs.append(f.read_text(encoding="utf-8", errors="replace"))
     docs = [d for d in docs if d.strip()]
     if not docs:
-        raise ValueError(f"no text found in {paths}")
+        raise CalibrationError(f"no text found in {' '.join(paths)} "
+                               f"(files ending in {', '.join(TEXT_SUFFIXES)})")
     return docs
 
 
@@ -71,61 +93,236 @@ def token_sequences(tokenizer, docs, seq_len: int, max_tokens: int) -> list[list
     return seqs
 
 
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), -1)
+
+
+@dataclass
+class LayerStats:
+    """What one layer's attention saw: sampled K/V rows (post-RoPE, and pre-RoPE when
+    asked), the attention mass each sampled row received from queries that read it
+    through codes, and the query second moment and o_proj metric per KV head."""
+
+    k: list = field(default_factory=list)  # [n, H, d] fp16 chunks
+    v: list = field(default_factory=list)
+    k_pre: list = field(default_factory=list)
+    mass: list = field(default_factory=list)  # [n, H] fp32 chunks
+    qa: torch.Tensor | None = None  # [H, d, d] float64
+    sink: tuple | None = None  # (k [H, d], v [H, d]) of the BOS token at position 0
+
+    def rows(self, name: str) -> torch.Tensor:
+        return torch.cat(getattr(self, name)).float()
+
+
 class KVCapture:
-    """A transformers attention function that records post-RoPE K and V, then runs SDPA."""
+    """A transformers attention function that records what calibration needs, then
+    computes the attention itself (from the probabilities it already has).
+
+    ``window`` is the serving window: a query at i reads key j through codes iff
+    ``j < window_start(i)``, and only such reads make the statistics. Position 0 is left
+    out of them when ``pinned_sink``: its codes are exact."""
 
     NAME = "pq_capture"
 
-    def __init__(self, num_layers: int, keep_fraction: float, seed: int):
-        self.k = [[] for _ in range(num_layers)]
-        self.v = [[] for _ in range(num_layers)]
+    def __init__(self, num_layers: int, keep_fraction: float, seed: int, window: int,
+                 pre_rope: bool = False):
+        self.layers = [LayerStats() for _ in range(num_layers)]
         self.keep = keep_fraction
         self.gen = torch.Generator().manual_seed(seed)
+        self.window = window
+        self.pre_rope = pre_rope
         self.rows: torch.Tensor | None = None
+        self.rope: tuple | None = None  # (cos, sin) [T, d] of the current sequence
+        self.sink_pass = False
 
-    def new_sequence(self, length: int) -> None:
+    def new_sequence(self, length: int, rope=None, sink_pass: bool = False) -> None:
         n = max(1, round(length * self.keep))
         self.rows = torch.randperm(length, generator=self.gen)[:n]
+        self.rope = rope
+        self.sink_pass = sink_pass
 
-    def __call__(self, module, query, key, value, attention_mask, **kwargs):
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    def __call__(self, module, query, key, value, attention_mask, scaling=None, **kwargs):
+        st = self.layers[module.layer_idx]
+        hq, hkv, t, d = query.shape[1], key.shape[1], key.shape[2], key.shape[-1]
+        g = hq // hkv
+        q, k, v = query[0].float(), key[0].float(), value[0].float()  # [H, T, d]
+        kr, vr = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)
+        scale = scaling if scaling is not None else d**-0.5
+        pos = torch.arange(t, device=q.device)
+        causal = pos.view(1, -1) <= pos.view(-1, 1)
+        p = (q @ kr.transpose(1, 2) * scale).masked_fill(~causal, float("-inf")).softmax(-1)
+        out = (p @ vr).transpose(0, 1)[None].to(query.dtype)  # [1, T, Hq, d]
+        if self.sink_pass:
+            st.sink = (k[:, 0].cpu(), v[:, 0].cpu())
+            return out, None
+        coded = pos.view(1, -1) < window_start(pos, self.window).view(-1, 1)  # [i, j]
+        if st.sink is not None:
+            coded[:, 0] = False
+        pc = p * coded
+        mass = pc.sum(1).view(hkv, g, t).sum(1)  # [Hkv, T] attention received as codes
+        share = pc.sum(2)  # [Hq, T] each query's attention to coded keys
+        qa = torch.einsum("hi,hid,hie->hde", share, q, q).view(hkv, g, d, d).sum(1)
+        st.qa = qa.double().cpu() if st.qa is None else st.qa + qa.double().cpu()
+        rows = self.rows.to(q.device)
+        st.k.append(k[:, rows].transpose(0, 1).to("cpu", torch.float16))
+        st.v.append(v[:, rows].transpose(0, 1).to("cpu", torch.float16))
+        st.mass.append(mass[:, rows].T.cpu())
+        if self.pre_rope:  # undo the rotation: R(-theta) k
+            cos, sin = (x[rows].float() for x in self.rope)
+            kk = k[:, rows]
+            st.k_pre.append((kk * cos - rotate_half(kk) * sin).transpose(0, 1).to("cpu", torch.float16))
+        return out, None
 
-        i = module.layer_idx
-        rows = self.rows.to(key.device)
-        # [1, H, T, d] -> sampled [n, H, d], kept in fp16 to bound host memory
-        self.k[i].append(key[0].transpose(0, 1)[rows].to("cpu", torch.float16))
-        self.v[i].append(value[0].transpose(0, 1)[rows].to("cpu", torch.float16))
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+def capture(model, tok, seqs, keep_fraction: float, seed: int, window: int, device,
+            pre_rope: bool = False, progress: bool = True) -> list[LayerStats]:
+    """Run the model over ``seqs`` and return the statistics of every layer."""
+    from tqdm import tqdm
+    from transformers import AttentionInterface
+
+    cap = KVCapture(model.config.num_hidden_layers, keep_fraction, seed, window, pre_rope)
+    AttentionInterface.register(KVCapture.NAME, cap)
+    model.config._attn_implementation = KVCapture.NAME
+    rotary = getattr(model.model, "rotary_emb", None)
+    if pre_rope and rotary is None:
+        raise CalibrationError("pre-RoPE keys need a model with model.rotary_emb (Llama family)")
+
+    def rope(n):
+        if not pre_rope:
+            return None
+        pos = torch.arange(n, device=device)[None]
+        cos, sin = rotary(torch.zeros(1, device=device, dtype=torch.float32), pos)
+        return cos[0], sin[0]
+
+    with torch.inference_mode():
+        if tok.bos_token_id is not None:
+            cap.new_sequence(1, sink_pass=True)
+            model(torch.tensor([[tok.bos_token_id]], device=device))
+        for ids in tqdm(seqs, desc="forward passes", unit="seq", disable=not progress):
+            cap.new_sequence(len(ids), rope(len(ids)))
+            model(torch.tensor([ids], device=device))
+    return cap.layers
 
 
-def pin(cents: np.ndarray, x: np.ndarray) -> None:
-    """Make ``x [d]`` exactly representable: per subspace, its nearest centroid becomes it.
+@dataclass(frozen=True)
+class Method:
+    """How codebooks are trained (see the module docstring). The defaults are the best
+    configuration measured (README, eval/results/accuracy.json)."""
+
+    k_gamma: float = 0.5  # exponent of the query metric for K (0: plain L2 on k)
+    k_rotate: bool = True  # principal axes of k', balanced over subspaces
+    k_alpha: float = 0.0  # K tokens weighted by attention mass ** alpha
+    v_rotate: bool = True
+    v_alpha: float = 0.5  # V tokens weighted by attention mass ** alpha
+    niter: int = 25
+
+
+def _sym_power(a: torch.Tensor, power: float) -> torch.Tensor:
+    """``a [H, d, d]`` symmetric PSD -> a^power, eigenvalues floored at 1e-6 of the top."""
+    w, u = torch.linalg.eigh(a.double())
+    w = w.clamp_min(w.amax(-1, keepdim=True) * 1e-6) ** power
+    w = w / w.square().mean(-1, keepdim=True).sqrt()  # rms 1: k' stays the size of k
+    return (u * w.unsqueeze(-2)) @ u.transpose(-1, -2)
+
+
+def balanced_axes(x: torch.Tensor, m: int) -> torch.Tensor:
+    """Orthogonal ``[H, d, d]``: principal axes of ``x [n, H, d]`` as columns, dealt to the
+    m subspaces (consecutive column groups) greedily, largest variance first, each to the
+    open subspace whose log-variance sum is lowest (OPQ's eigenvalue allocation)."""
+    n, h, d = x.shape
+    ds = d // m
+    xc = x.double() - x.double().mean(0)
+    cov = torch.einsum("nhd,nhe->hde", xc, xc) / n
+    w, u = torch.linalg.eigh(cov)  # ascending
+    out = torch.empty_like(u)
+    for hi in range(h):
+        logw = w[hi].clamp_min(w[hi].max() * 1e-12).log().tolist()
+        slots = [[] for _ in range(m)]
+        score = [0.0] * m
+        for j in sorted(range(d), key=lambda j: -logw[j]):
+            b = min((s for s in range(m) if len(slots[s]) < ds), key=lambda s: score[s])
+            slots[b].append(j)
+            score[b] += logw[j]
+        out[hi] = u[hi][:, [j for s in slots for j in s]]
+    return out
+
+
+def _weights(mass: torch.Tensor, alpha: float) -> torch.Tensor | None:
+    """``mass [n, H]`` -> k-means weights ``[H, n]``; tokens no query read as codes keep a
+    small weight (longer contexts than the calibration's will read them)."""
+    if alpha == 0:
+        return None
+    w = (mass + 0.05 * mass.mean(0, keepdim=True)).clamp_min(1e-12) ** alpha
+    return (w / w.mean(0, keepdim=True)).T
+
+
+def _pin(cents: torch.Tensor, x: torch.Tensor) -> None:
+    """Make ``x [H, d]`` exact: per subspace, its nearest centroid becomes it.
 
     Used for the first token's K/V (the attention sink): nearly every query puts much of
-    its attention there, so its quantization error reaches every output, and it is a
-    single far-out point k-means gives no centroid of its own. Measured on SmolLM2 at
-    M=32: perplexity +39% over bf16 with plain codebooks, +6% with the sink pinned."""
-    m, _, ds = cents.shape
-    xs = x.reshape(m, 1, ds)
-    idx = ((cents - xs) ** 2).sum(-1).argmin(-1)
-    cents[np.arange(m), idx] = xs[:, 0]
+    its attention there, so its error reaches every output, and it is a single far-out
+    point k-means gives no centroid of its own (SmolLM2, 4 bits, W=0: +39% perplexity
+    over bf16 unpinned, +6% pinned)."""
+    h, m, _, ds = cents.shape
+    xs = x.view(h, m, 1, ds)
+    idx = ((cents - xs) ** 2).sum(-1).argmin(-1)  # [H, m]
+    cents[torch.arange(h)[:, None], torch.arange(m)[None], idx] = xs[:, :, 0]
 
 
-def train_pq(x: np.ndarray, m: int, niter: int, seed: int) -> tuple[np.ndarray, float]:
-    """faiss ProductQuantizer on ``x [n, d]``: centroids ``[m, 256, d/m]`` and rel. error."""
-    import faiss
+def train_quantizer(x, m, weights, transform, niter, seed, sink=None):
+    """k-means of ``x [n, H, d]`` mapped by ``transform [H, d, d]`` (or None), M subspaces.
+    Returns centroids ``[H, m, 256, d/m]`` (in the mapped space) and rel. error ``[H]``."""
+    n, h, d = x.shape
+    ds = d // m
+    if transform is not None:
+        x = torch.einsum("nhd,hde->nhe", x, transform.to(x))
+    xs = x.view(n, h, m, ds).permute(1, 2, 0, 3).reshape(h * m, n, ds).contiguous()
+    w = None if weights is None else weights.to(x).repeat_interleave(m, 0)
+    cents, err = kmeans(xs, w, NUM_CENTROIDS, niter, seed)
+    cents = cents.view(h, m, NUM_CENTROIDS, ds)
+    if sink is not None:
+        s = sink.to(x)
+        _pin(cents, s if transform is None else torch.einsum("hd,hde->he", s, transform.to(x)))
+    return cents, err.view(h, m).mean(1)
 
-    d = x.shape[1]
-    pq = faiss.ProductQuantizer(d, m, 8)
-    pq.cp.niter = niter
-    pq.cp.seed = seed
-    pq.cp.max_points_per_centroid = 1 << 30  # use every sample
-    pq.cp.min_points_per_centroid = 1  # main() warns once about small sample counts
-    pq.train(x)
-    cents = faiss.vector_to_array(pq.centroids).reshape(m, NUM_CENTROIDS, d // m)
-    rec = pq.decode(pq.compute_codes(x))
-    err = float(((rec - x) ** 2).sum() / max((x**2).sum(), 1e-30))
-    return cents, err
+
+def train_layer(st: LayerStats, m_k: int, m_v: int, method: Method, seed: int, device):
+    """Codebooks and maps of one layer: dict of k/v centroids, k/v transforms (or None),
+    relative errors."""
+    k, v = st.rows("k").to(device), st.rows("v").to(device)
+    mass = st.rows("mass").to(device)
+    sk, sv = st.sink if st.sink is not None else (None, None)
+    tk = None
+    if method.k_gamma:
+        tk = _sym_power(st.qa / st.qa.diagonal(dim1=-2, dim2=-1).sum(-1).view(-1, 1, 1),
+                        method.k_gamma / 2).float().to(device)
+    if method.k_rotate:
+        kt = k if tk is None else torch.einsum("nhd,hde->nhe", k, tk)
+        r = balanced_axes(kt, m_k).float()
+        tk = r if tk is None else tk @ r
+    tv = balanced_axes(v, m_v).float().to(device) if method.v_rotate else None
+    kc, ek = train_quantizer(k, m_k, _weights(mass, method.k_alpha), tk, method.niter, seed, sk)
+    vc, ev = train_quantizer(v, m_v, _weights(mass, method.v_alpha), tv, method.niter, seed + 1, sv)
+    return dict(k=kc, v=vc, k_transform=tk, v_transform=tv, err_k=ek, err_v=ev)
+
+
+def train(stats: list[LayerStats], m_k: int, m_v: int, method: Method, seed: int, device,
+          progress: bool = True) -> dict:
+    """Every layer: stacked tensors ``k [L, H, m_k, 256, d/m_k]``, ``v``, transforms
+    ``[L, H, d, d]`` (or None), and mean relative errors per layer."""
+    from tqdm import tqdm
+
+    out = []
+    for st in tqdm(stats, desc=f"k-means K {m_k} / V {m_v} subspaces", unit="layer",
+                   disable=not progress):
+        out.append({key: (val.cpu() if val is not None else None)
+                    for key, val in train_layer(st, m_k, m_v, method, seed, device).items()})
+    stack = lambda key: None if out[0][key] is None else torch.stack([o[key] for o in out])  # noqa: E731
+    return dict(k=stack("k"), v=stack("v"), k_transform=stack("k_transform"),
+                v_transform=stack("v_transform"),
+                rel_mse_k=[round(float(o["err_k"].mean()), 5) for o in out],
+                rel_mse_v=[round(float(o["err_v"].mean()), 5) for o in out])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -138,12 +335,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--text", required=True, nargs="+",
         help="calibration text: files or folders of .txt/.rst/.md, or .jsonl with 'text'",
     )
-    p.add_argument("--m", type=int, default=None, help="subspaces per head (default head_dim/2)")
+    p.add_argument("--bits", type=int, default=4,
+                   help="bits per element of K and V: 4 (default), 2 or 1")
+    p.add_argument("--m", type=int, default=None,
+                   help="subspaces per head instead of --bits (head_dim/2 is 4 bits)")
     p.add_argument("--out", default=None, help="output file (default MODEL/pq/codebooks_m<M>.safetensors)")
     p.add_argument("--tokens", type=int, default=65536, help="calibration tokens to run (default 65536)")
     p.add_argument("--samples", type=int, default=32768, help="K/V rows kept per layer and head for training (default 32768)")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per forward pass (default 2048)")
-    p.add_argument("--niter", type=int, default=25, help="k-means iterations (default 25)")
+    p.add_argument("--niter", type=int, default=Method.niter, help=f"k-means iterations (default {Method.niter})")
+    p.add_argument("--window", type=int, default=128,
+                   help="the serving window the statistics assume (default 128)")
+    p.add_argument("--plain", action="store_true",
+                   help="plain L2 k-means on K and V (no query metric, rotation or weights)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                    help="model dtype for the forward passes (default bfloat16, as served)")
@@ -151,81 +355,82 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _positive(parser, name, value):
+    if value is not None and value <= 0:
+        parser.error(f"{name} must be a positive integer, got {value}")
+
+
+def load_model(path: str, dtype: str, device: str):
+    """(config, tokenizer, model) from a local model folder."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    cfg = AutoConfig.from_pretrained(path, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, local_files_only=True, dtype=getattr(torch, dtype)).to(device).eval()
+    return cfg, tok, model
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    from tqdm import tqdm
-    from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for name in ("m", "tokens", "samples", "seq_len", "niter"):
+        _positive(parser, "--" + name.replace("_", "-"), getattr(args, name))
+    if args.window < 0:
+        parser.error(f"--window must be >= 0, got {args.window}")
+    try:
+        return _run(args, parser)
+    except CalibrationError as e:
+        print(f"calibrate: error: {e}", file=sys.stderr)
+        return 2
 
-    random.seed(args.seed)
-    cfg = AutoConfig.from_pretrained(args.model, local_files_only=True)
-    d = head_dim_of(cfg)
-    m = args.m or d // 2
-    if d % m or not 1 <= d // m <= 16:
-        sys.exit(f"--m {m} must divide head_dim {d} with at most 16 dims per subspace")
+
+def _run(args, parser) -> int:
+    t0 = time.time()
+    if not os.path.isfile(os.path.join(args.model, "config.json")):
+        raise CalibrationError(f"--model {args.model}: no config.json there; give a local "
+                               "Hugging Face model folder (README: eval/prepare.py makes one)")
+    from transformers import AutoConfig
+
+    d = head_dim_of(AutoConfig.from_pretrained(args.model, local_files_only=True))
+    bits = supported_bits(d)
+    m = args.m if args.m is not None else args.bits * d // 8
+    if m not in bits.values():
+        parser.error(f"head_dim {d} supports M in {sorted(bits.values())} "
+                     f"({', '.join(f'{b} bits: M={x}' for b, x in sorted(bits.items()))}); "
+                     f"got {'--m' if args.m else '--bits'} {args.m or args.bits}")
     out = args.out or default_codebook_path(args.model, m)
+    method = Method(niter=args.niter)
+    if args.plain:
+        method = Method(k_gamma=0, k_rotate=False, v_rotate=False, v_alpha=0, niter=args.niter)
 
-    tok = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
     docs = read_documents(args.text)
+    cfg, tok, model = load_model(args.model, args.dtype, args.device)
     seqs = token_sequences(tok, docs, args.seq_len, args.tokens)
     total = sum(map(len, seqs))
-    print(f"calibration: {len(docs)} documents, {len(seqs)} sequences, {total} tokens", flush=True)
-
+    print(f"calibration: {len(docs)} documents, {len(seqs)} sequences, {total} tokens, "
+          f"M={m} ({8 * m // d} bits per element), device {args.device}", flush=True)
     if min(args.samples, total) < 39 * NUM_CENTROIDS:
         print(f"warning: {min(args.samples, total)} samples per head is few for 256 "
-              f"centroids; faiss suggests at least {39 * NUM_CENTROIDS}", file=sys.stderr)
-    cap = KVCapture(cfg.num_hidden_layers, min(1.0, args.samples / total), args.seed)
-    AttentionInterface.register(KVCapture.NAME, cap)
-    model = AutoModelForCausalLM.from_pretrained(
-        args.model, local_files_only=True, dtype=getattr(torch, args.dtype),
-        attn_implementation=KVCapture.NAME,
-    ).to(args.device).eval()
-    t0 = time.time()
-    sink = None  # K/V of the BOS token at position 0, the same for every BOS-first prompt
-    with torch.inference_mode():
-        if tok.bos_token_id is not None:
-            cap.new_sequence(1)
-            model(torch.tensor([[tok.bos_token_id]], device=args.device))
-            sink = [(k.pop(), v.pop()) for k, v in zip(cap.k, cap.v)]
-        for ids in tqdm(seqs, desc="forward passes", unit="seq"):
-            cap.new_sequence(len(ids))
-            model(torch.tensor([ids], device=args.device))
+              f"centroids; k-means wants at least {39 * NUM_CENTROIDS}", file=sys.stderr)
+    stats = capture(model, tok, seqs, min(1.0, args.samples / total), args.seed, args.window,
+                    args.device)
     del model
-
-    layers, heads = cfg.num_hidden_layers, fingerprint_fields(cfg)["num_key_value_heads"]
-    k_books = torch.empty(layers, heads, m, NUM_CENTROIDS, d // m)
-    v_books = torch.empty_like(k_books)
-    errors = {"k": [], "v": []}
-    bar = tqdm(total=layers * heads * 2, desc=f"k-means M={m}", unit="quantizer")
-    for layer in range(layers):
-        for which, books, rows in (("k", k_books, cap.k), ("v", v_books, cap.v)):
-            x = torch.cat(rows[layer]).float()  # [n, H, d]
-            errs = []
-            for h in range(heads):
-                cents, err = train_pq(np.ascontiguousarray(x[:, h].numpy()), m, args.niter,
-                                      args.seed + layer)
-                if sink is not None:
-                    pin(cents, sink[layer][0 if which == "k" else 1][0, h].float().numpy())
-                books[layer, h] = torch.from_numpy(cents)
-                errs.append(err)
-                bar.update()
-            errors[which].append(float(np.mean(errs)))
-            rows[layer] = None  # free host memory as we go
-    bar.close()
-    samples = int(x.shape[0])
-    save_codebooks(out, k_books, v_books, cfg, {
+    books = train(stats, m, m, method, args.seed, args.device)
+    samples = int(sum(x.shape[0] for x in stats[0].k))
+    save_codebooks(out, books["k"], books["v"], cfg, {
         "model": os.path.abspath(args.model),
         "texts": [os.path.abspath(t) for t in args.text],
         "documents": len(docs), "tokens": total, "samples_per_head": samples,
-        "niter": args.niter, "seed": args.seed, "dtype": args.dtype,
-        "pinned_bos_sink": sink is not None,
-        "rel_mse_k": [round(e, 5) for e in errors["k"]],
-        "rel_mse_v": [round(e, 5) for e in errors["v"]],
-    })
-    print(
-        f"wrote {out}: {layers} layers x {heads} KV heads, M={m}, {samples} samples per head, "
-        f"mean relative MSE K {np.mean(errors['k']):.4f} V {np.mean(errors['v']):.4f} "
-        f"({time.time() - t0:.0f} s)"
-    )
+        "seed": args.seed, "dtype": args.dtype, "window": args.window,
+        "method": asdict(method), "pinned_bos_sink": stats[0].sink is not None,
+        "rel_mse_k": books["rel_mse_k"], "rel_mse_v": books["rel_mse_v"],
+    }, k_transform=books["k_transform"], v_transform=books["v_transform"])
+    mk, mv = (sum(books[x]) / len(books[x]) for x in ("rel_mse_k", "rel_mse_v"))
+    print(f"wrote {out}: {cfg.num_hidden_layers} layers x {books['k'].shape[1]} KV heads, "
+          f"M={m}, {samples} samples per head, mean relative error K {mk:.4f} V {mv:.4f} "
+          f"(in the trained metric; {time.time() - t0:.0f} s)")
+    print(codebook_path_hint(out, args.model, m, d))
     return 0
 
 

@@ -1,6 +1,10 @@
 """Codebook files: K and V centroids per layer and KV head, in safetensors.
 
-Tensors ``k_centroids`` and ``v_centroids``: float32 ``[layers, kv_heads, M, 256, head_dim/M]``.
+Tensors ``k_centroids`` and ``v_centroids``: float32 ``[layers, kv_heads, M, 256, head_dim/M]``;
+optional ``k_transform`` / ``v_transform``: float32 ``[layers, kv_heads, head_dim, head_dim]``.
+With a K transform T the codes are of ``k T`` (and the backend scores ``q T^-T``, so
+q.k is unchanged); with a V transform the codes are of ``v T`` and the attention output is
+mapped back by ``T^-1`` (see calibrate.py for why). Absent means identity.
 Metadata (strings): ``format``, ``fingerprint`` (hash of the model's attention-relevant
 config), ``fingerprint_fields`` (JSON, to say what differs), ``head_dim``, ``m``, ``bits``,
 ``k_post_rope``, ``num_layers``, ``num_kv_heads``, ``model``, ``calibration`` (JSON).
@@ -18,9 +22,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .config import default_codebook_path
 from .layout import NUM_CENTROIDS
 
-FORMAT = "vllm_pq_backend/codebooks/1"
+FORMAT = "vllm_pq_backend/codebooks/2"
+READABLE = ("vllm_pq_backend/codebooks/1", FORMAT)  # 1: no transforms
+TRANSFORMS = ("k_transform", "v_transform")
 
 
 def _rope_theta(cfg) -> float | None:
@@ -55,6 +62,22 @@ def fingerprint(fields: dict) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def supported_bits(head_dim: int) -> dict[int, int]:
+    """Bits per element -> M (subspaces per head) that the kernels are built for:
+    8-bit codes over head_dim/M dims give 8M/head_dim bits per element."""
+    return {1: head_dim // 8, 2: head_dim // 4, 4: head_dim // 2}
+
+
+def codebook_path_hint(path: str, model: str, m: int, head_dim: int) -> str:
+    """The command that serves the file just written."""
+    if os.path.abspath(path) != os.path.abspath(default_codebook_path(model, m)):
+        extra = f"\"codebooks\": \"{os.path.abspath(path)}\""
+    else:
+        extra = "" if m == head_dim // 2 else f"\"m\": {m}"
+    extra = f" --additional-config '{{\"pq\": {{{extra}}}}}'" if extra else ""
+    return f"serve it: vllm serve {model} --attention-backend CUSTOM{extra}"
+
+
 def calibrate_hint(model: str | None = None, m: int | None = None) -> str:
     return (
         "Make matching codebooks with `python -m vllm_pq_backend.calibrate "
@@ -68,9 +91,16 @@ class CodebookError(ValueError):
     pass
 
 
-def save_codebooks(path: str, k: torch.Tensor, v: torch.Tensor, cfg, extra: dict) -> None:
+def save_codebooks(path: str, k: torch.Tensor, v: torch.Tensor, cfg, extra: dict,
+                   k_transform: torch.Tensor | None = None,
+                   v_transform: torch.Tensor | None = None) -> None:
     assert k.shape == v.shape and k.dim() == 5 and k.shape[3] == NUM_CENTROIDS
     layers, heads, m, _, ds = k.shape
+    tensors = {"k_centroids": k.float().contiguous(), "v_centroids": v.float().contiguous()}
+    for name, t in zip(TRANSFORMS, (k_transform, v_transform)):
+        if t is not None:
+            assert t.shape == (layers, heads, m * ds, m * ds), (name, t.shape)
+            tensors[name] = t.float().contiguous()
     fields = fingerprint_fields(cfg)
     meta = {
         "format": FORMAT,
@@ -86,11 +116,7 @@ def save_codebooks(path: str, k: torch.Tensor, v: torch.Tensor, cfg, extra: dict
         "calibration": json.dumps(extra, sort_keys=True),
     }
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    save_file(
-        {"k_centroids": k.float().contiguous(), "v_centroids": v.float().contiguous()},
-        path,
-        metadata=meta,
-    )
+    save_file(tensors, path, metadata=meta)
 
 
 @dataclass(frozen=True)
@@ -102,6 +128,7 @@ class CodebookInfo:
     num_kv_heads: int
     fingerprint: str
     fields: dict
+    transforms: tuple[str, ...] = ()  # which of TRANSFORMS the file has
 
 
 @functools.lru_cache(maxsize=16)
@@ -114,7 +141,7 @@ def read_info(path: str) -> CodebookInfo:
             names = set(f.keys())
     except Exception as e:  # a truncated or foreign file
         raise CodebookError(f"{path} is not a readable safetensors file ({e}).") from e
-    if meta.get("format") != FORMAT or {"k_centroids", "v_centroids"} - names:
+    if meta.get("format") not in READABLE or {"k_centroids", "v_centroids"} - names:
         raise CodebookError(
             f"{path} is not a vllm_pq_backend codebook file (format "
             f"{meta.get('format')!r}, expected {FORMAT!r}). " + calibrate_hint()
@@ -127,6 +154,7 @@ def read_info(path: str) -> CodebookInfo:
         num_kv_heads=int(meta["num_kv_heads"]),
         fingerprint=meta["fingerprint"],
         fields=json.loads(meta["fingerprint_fields"]),
+        transforms=tuple(t for t in TRANSFORMS if t in names),
     )
 
 
@@ -162,3 +190,13 @@ def load_layer(info: CodebookInfo, layer: int, heads: slice) -> tuple[torch.Tens
         k = f.get_slice("k_centroids")[layer, heads]
         v = f.get_slice("v_centroids")[layer, heads]
     return k.float().contiguous(), v.float().contiguous()
+
+
+def load_transforms(info: CodebookInfo, layer: int, heads: slice):
+    """float32 K and V transforms of one layer, ``[heads, d, d]`` each, or None (identity)."""
+    out = []
+    with safe_open(info.path, framework="pt") as f:
+        for name in TRANSFORMS:
+            out.append(f.get_slice(name)[layer, heads].float().contiguous()
+                       if name in info.transforms else None)
+    return tuple(out)

@@ -28,6 +28,16 @@ class LayerState:
         )
         self.k_cb32, self.v_cb32 = k32.to(device), v32.to(device)  # encode: fp32
         self.k_cb, self.v_cb = self.k_cb32.to(dtype), self.v_cb32.to(dtype)  # attend
+        # The codebooks' linear maps (codebooks.py): keys k T_k, queries q T_k^-T (q.k is
+        # unchanged), values v T_v and outputs o T_v^-1. Everything after them (store,
+        # window, kernels, prefill) works in the mapped frame. fp32: a bf16 map would
+        # perturb q.k by more than bf16 rounding of q and k does.
+        tk, tv = codebooks.load_transforms(info, layer_index, slice(start, start + impl.num_kv_heads))
+        self.maps = {
+            "key": tk, "query": None if tk is None else torch.linalg.inv(tk.double()).mT.float(),
+            "value": tv, "output": None if tv is None else torch.linalg.inv(tv.double()).float(),
+        }
+        self.maps = {k: None if t is None else t.to(device) for k, t in self.maps.items()}
         self.layout = PageLayout(impl.block_size, info.m)
         self.window = impl.window
         self.win_k = self.win_v = None
@@ -45,6 +55,16 @@ class LayerState:
         self.prefill_scratch = ops.prefill_scratch_bytes(pages, impl.num_kv_heads, self.d, info.m)
         if torch.device(device).type == "cuda":
             torch.empty(self.prefill_scratch, dtype=torch.uint8, device=device)  # freed at once: the peak counts
+
+    def map(self, which: str, x: torch.Tensor) -> torch.Tensor:
+        """``x [n, heads, d]`` through the codebooks' ``which`` map (identity if none);
+        query and output rows use their KV head's map."""
+        t = self.maps[which]
+        if t is None:
+            return x
+        n, h, d = x.shape
+        y = torch.einsum("nkgd,kde->nkge", x.float().view(n, t.shape[0], -1, d), t)
+        return y.reshape(n, h, d).to(x.dtype)
 
     def workspace(self, n: int, hq: int, splits: int):
         """Split results of the decode kernel, shared by all layers of the process."""
@@ -133,7 +153,7 @@ class PQAttentionImpl(AttentionImpl[PQMetadata]):
             return
         st = self.state(layer, key)
         n = slot_mapping.shape[0]
-        ops.store(kv_cache, key[:n], value[:n], slot_mapping, st)
+        ops.store(kv_cache, st.map("key", key[:n]), st.map("value", value[:n]), slot_mapping, st)
 
     def forward(
         self,
@@ -155,10 +175,13 @@ class PQAttentionImpl(AttentionImpl[PQMetadata]):
             return output.zero_()
         n = md.num_actual_tokens
         out = output[:n]
+        q, k, v = st.map("query", query[:n]), st.map("key", key[:n]), st.map("value", value[:n])
         if md.num_decodes:
-            ops.decode(out, query[:n], key[:n], value[:n], kv_cache, md, st, self.scale)
+            ops.decode(out, q, k, v, kv_cache, md, st, self.scale)
         if md.num_prefills:
-            ops.prefill(out, query[:n], key[:n], value[:n], kv_cache, md, st, self.scale)
+            ops.prefill(out, q, k, v, kv_cache, md, st, self.scale)
+        if st.maps["output"] is not None:
+            out.copy_(st.map("output", out.view(n, self.num_heads, self.head_size)).view_as(out))
         return output
 
 

@@ -57,7 +57,6 @@ setup(
         "vllm==0.32.0",
         "torch==2.13.0",
         "safetensors==0.8.0",
-        "faiss-cpu==1.15.1",
         "tqdm==4.70.1",
     ],
     extras_require={

@@ -48,6 +48,11 @@ CONFIGS = {  # name -> (Method, keys quantized before RoPE)
     "pre_rope": (PLAIN, True),
     "pre_rope_v_rotate_mass0.5": (replace(PLAIN, v_rotate=True, v_alpha=0.5), True),
     "default": (Method(), False),
+    "default_k_g0.25": (replace(Method(), k_gamma=0.25), False),
+    "default_k_g0.75": (replace(Method(), k_gamma=0.75), False),
+    "default_v_o0.5": (replace(Method(), v_gamma=0.5), False),
+    "default_v_o1": (replace(Method(), v_gamma=1.0), False),
+    "default_v_o0.5_nomass": (replace(Method(), v_gamma=0.5, v_alpha=0), False),
 }
 
 
@@ -88,6 +93,8 @@ class Sim:
         self.window = 0
         self.pre_rope = None  # permutation of dims when keys are quantized before RoPE
         self.rope = None  # (cos, sin) [T, d] of the current document
+        self.parts = "kv"  # which of K and V are read through codes
+        self.layers = None  # the layers that are quantized (None: all)
 
     def __call__(self, module, q, k, v, mask, scaling=None, **kw):
         t, d = k.shape[2], k.shape[3]
@@ -97,12 +104,14 @@ class Sim:
         pos = torch.arange(t, device=q.device)
         causal = pos.view(1, -1) <= pos.view(-1, 1)
         rep = lambda x: x.transpose(0, 1).repeat_interleave(g, 0)  # noqa: E731  [Hq, T, d]
-        if self.books is None:
+        if self.books is None or (self.layers is not None and module.layer_idx not in self.layers):
             s = qf @ rep(kk).transpose(1, 2)
             p = (s * scaling).masked_fill(~causal, float("-inf")).softmax(-1)
             return (p @ rep(vv)).transpose(0, 1)[None].to(q.dtype), None
         b = self.books[module.layer_idx]
-        if self.pre_rope is not None:
+        if "k" not in self.parts:
+            kq = kk
+        elif self.pre_rope is not None:
             cos, sin = (x[:, None] for x in self.rope)
             kp = kk * cos - rotate_half(kk) * sin  # R(-theta) k
             perm = self.pre_rope
@@ -111,7 +120,7 @@ class Sim:
             kq = kq_p * cos + rotate_half(kq_p) * sin
         else:
             kq = dequant(kk, b["k"], b["k_transform"])
-        vq = dequant(vv, b["v"], b["v_transform"])
+        vq = dequant(vv, b["v"], b["v_transform"]) if "v" in self.parts else vv
         if b.get("sink") is not None:  # position 0 is exact (pinned) in every codebook
             kq[0], vq[0] = kk[0], vv[0]
         exact = causal & (pos.view(1, -1) >= window_start(pos, self.window).view(-1, 1))
@@ -143,6 +152,10 @@ def main() -> int:
     p.add_argument("--configs", nargs="+", default=["plain", "default"], choices=list(CONFIGS))
     p.add_argument("--bits", nargs="+", default=["4/4", "2/2"], help="K/V bits per element")
     p.add_argument("--windows", type=int, nargs="+", default=[128])
+    p.add_argument("--parts", nargs="+", default=["kv"], choices=["kv", "k", "v"],
+                   help="also score with only K or only V through codes (where the error is)")
+    p.add_argument("--layer-groups", type=int, default=0,
+                   help="also score with only each group of this many layers quantized")
     p.add_argument("--docs", type=int, default=64, help="documents per domain")
     p.add_argument("--max-len", type=int, default=2048)
     p.add_argument("--tokens", type=int, default=65536, help="calibration tokens")
@@ -204,18 +217,28 @@ def main() -> int:
                               sink=stats[i].sink)
                          for i in range(cfg.num_hidden_layers)]
             sim.pre_rope = rope_pairs(d).to(dev) if pre else None
+            n_layers = cfg.num_hidden_layers
+            g = a.layer_groups
+            variants = [(part, None) for part in a.parts] + [
+                ("kv", range(i, min(i + g, n_layers))) for i in range(0, n_layers if g else 0, g or 1)]
             for w in a.windows:
                 sim.window = w
-                for name, docs in domains.items():
-                    ppl, n = perplexity(model, docs, sim, dev)
-                    rows.append(dict(method=cname, bits_k=bk, bits_v=bv, m_k=mk, m_v=mv, window=w,
-                                     pre_rope=pre, eval_text=name, ppl=ppl, ppl_bf16=base[name][0],
-                                     delta_pct=round(100 * (ppl / base[name][0] - 1), 3),
-                                     train_seconds=round(train_s, 1), method_params=asdict(method),
-                                     rel_mse_k=sum(books["rel_mse_k"]) / len(books["rel_mse_k"]),
-                                     rel_mse_v=sum(books["rel_mse_v"]) / len(books["rel_mse_v"])))
-                    print(f"{cname:28s} K{bk}/V{bv} W={w:4d} {name:8s}: ppl {ppl:.4f} "
-                          f"({rows[-1]['delta_pct']:+.2f}%)  train {train_s:.1f}s", flush=True)
+                for part, layers in variants:
+                    sim.parts, sim.layers = part, layers
+                    for name, docs in domains.items():
+                        ppl, n = perplexity(model, docs, sim, dev)
+                        rows.append(dict(
+                            method=cname, bits_k=bk, bits_v=bv, m_k=mk, m_v=mv, window=w,
+                            pre_rope=pre, quantized=part,
+                            layers="all" if layers is None else f"{layers.start}-{layers.stop - 1}",
+                            eval_text=name, ppl=ppl, ppl_bf16=base[name][0],
+                            delta_pct=round(100 * (ppl / base[name][0] - 1), 3),
+                            train_seconds=round(train_s, 1), method_params=asdict(method),
+                            rel_mse_k=sum(books["rel_mse_k"]) / len(books["rel_mse_k"]),
+                            rel_mse_v=sum(books["rel_mse_v"]) / len(books["rel_mse_v"])))
+                        print(f"{cname:24s} K{bk}/V{bv} W={w:4d} {part:2s} {rows[-1]['layers']:5s} "
+                              f"{name:8s}: ppl {ppl:.4f} ({rows[-1]['delta_pct']:+.2f}%)  "
+                              f"train {train_s:.1f}s", flush=True)
             with open(a.out, "w") as f:  # after every configuration: a cut run keeps its rows
                 json.dump(dict(stamp, rows=rows), f, indent=1)
     sim.books = None

@@ -33,7 +33,8 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+import dataclasses
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -109,6 +110,7 @@ class LayerStats:
     k_pre: list = field(default_factory=list)
     mass: list = field(default_factory=list)  # [n, H] fp32 chunks
     qa: torch.Tensor | None = None  # [H, d, d] float64
+    og: torch.Tensor | None = None  # [H, d, d] o_proj metric: sum over the group of W^T W
     sink: tuple | None = None  # (k [H, d], v [H, d]) of the BOS token at position 0
 
     def rows(self, name: str) -> torch.Tensor:
@@ -164,6 +166,9 @@ class KVCapture:
         share = pc.sum(2)  # [Hq, T] each query's attention to coded keys
         qa = torch.einsum("hi,hid,hie->hde", share, q, q).view(hkv, g, d, d).sum(1)
         st.qa = qa.double().cpu() if st.qa is None else st.qa + qa.double().cpu()
+        if st.og is None and hasattr(module, "o_proj"):
+            w = module.o_proj.weight.float().view(-1, hkv, g, d)  # [hidden, Hkv, g, d]
+            st.og = torch.einsum("okgd,okge->kde", w, w).double().cpu()
         rows = self.rows.to(q.device)
         st.k.append(k[:, rows].transpose(0, 1).to("cpu", torch.float16))
         st.v.append(v[:, rows].transpose(0, 1).to("cpu", torch.float16))
@@ -213,6 +218,7 @@ class Method:
     k_gamma: float = 0.5  # exponent of the query metric for K (0: plain L2 on k)
     k_rotate: bool = True  # principal axes of k', balanced over subspaces
     k_alpha: float = 0.0  # K tokens weighted by attention mass ** alpha
+    v_gamma: float = 0.0  # exponent of the o_proj metric for V (0: plain L2 on v)
     v_rotate: bool = True
     v_alpha: float = 0.5  # V tokens weighted by attention mass ** alpha
     niter: int = 25
@@ -287,21 +293,27 @@ def train_quantizer(x, m, weights, transform, niter, seed, sink=None):
     return cents, err.view(h, m).mean(1)
 
 
+def _map(x, metric, gamma: float, rotate: bool, m: int, device):
+    """The linear map codes are trained in: ``metric^(gamma/2)`` (a [H, d, d] second
+    moment, trace-normalized), then the balanced principal axes of the mapped rows."""
+    t = None
+    if gamma:
+        metric = metric / metric.diagonal(dim1=-2, dim2=-1).sum(-1).view(-1, 1, 1)
+        t = _sym_power(metric, gamma / 2).float().to(device)
+    if rotate:
+        r = balanced_axes(x if t is None else torch.einsum("nhd,hde->nhe", x, t), m).float()
+        t = r if t is None else t @ r
+    return t
+
+
 def train_layer(st: LayerStats, m_k: int, m_v: int, method: Method, seed: int, device):
     """Codebooks and maps of one layer: dict of k/v centroids, k/v transforms (or None),
     relative errors."""
     k, v = st.rows("k").to(device), st.rows("v").to(device)
     mass = st.rows("mass").to(device)
     sk, sv = st.sink if st.sink is not None else (None, None)
-    tk = None
-    if method.k_gamma:
-        tk = _sym_power(st.qa / st.qa.diagonal(dim1=-2, dim2=-1).sum(-1).view(-1, 1, 1),
-                        method.k_gamma / 2).float().to(device)
-    if method.k_rotate:
-        kt = k if tk is None else torch.einsum("nhd,hde->nhe", k, tk)
-        r = balanced_axes(kt, m_k).float()
-        tk = r if tk is None else tk @ r
-    tv = balanced_axes(v, m_v).float().to(device) if method.v_rotate else None
+    tk = _map(k, st.qa, method.k_gamma, method.k_rotate, m_k, device)
+    tv = _map(v, st.og, method.v_gamma, method.v_rotate, m_v, device)
     kc, ek = train_quantizer(k, m_k, _weights(mass, method.k_alpha), tk, method.niter, seed, sk)
     vc, ev = train_quantizer(v, m_v, _weights(mass, method.v_alpha), tv, method.niter, seed + 1, sv)
     return dict(k=kc, v=vc, k_transform=tk, v_transform=tv, err_k=ek, err_v=ev)
@@ -348,11 +360,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the serving window the statistics assume (default 128)")
     p.add_argument("--plain", action="store_true",
                    help="plain L2 k-means on K and V (no query metric, rotation or weights)")
+    p.add_argument("--method", nargs="*", default=[], metavar="FIELD=VALUE",
+                   help="override a training setting (fields of calibrate.Method, e.g. "
+                        "v_gamma=0.5); for ablations, the defaults are the best measured")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                    help="model dtype for the forward passes (default bfloat16, as served)")
     p.add_argument("--seed", type=int, default=0)
     return p
+
+
+def _overrides(parser, items: list[str]) -> dict:
+    """``FIELD=VALUE`` strings -> Method fields, typed like the defaults."""
+    fields = {f.name: type(getattr(Method(), f.name)) for f in dataclasses.fields(Method)}
+    out = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        if name not in fields or not value:
+            parser.error(f"--method {item}: expected FIELD=VALUE with FIELD one of {sorted(fields)}")
+        conv = fields[name]
+        out[name] = value.lower() in ("1", "true", "yes") if conv is bool else conv(value)
+    return out
 
 
 def _positive(parser, name, value):
@@ -403,6 +431,7 @@ def _run(args, parser) -> int:
     method = Method(niter=args.niter)
     if args.plain:
         method = Method(k_gamma=0, k_rotate=False, v_rotate=False, v_alpha=0, niter=args.niter)
+    method = replace(method, **_overrides(parser, args.method))
 
     docs = read_documents(args.text)
     cfg, tok, model = load_model(args.model, args.dtype, args.device)

@@ -28,7 +28,7 @@ import torch
 from e2e_smollm2 import load_docs  # eval/ is the script's directory
 from provenance import provenance
 
-from vllm_pq_backend import calibrate
+from vllm_pq_backend import calibrate, codebooks
 from vllm_pq_backend.calibrate import Method, rotate_half
 from vllm_pq_backend.layout import window_start
 
@@ -121,7 +121,7 @@ class Sim:
         else:
             kq = dequant(kk, b["k"], b["k_transform"])
         vq = dequant(vv, b["v"], b["v_transform"]) if "v" in self.parts else vv
-        if b.get("sink") is not None:  # position 0 is exact (pinned) in every codebook
+        if b["sink"]:  # position 0 is exact (pinned) in every codebook
             kq[0], vq[0] = kk[0], vv[0]
         exact = causal & (pos.view(1, -1) >= window_start(pos, self.window).view(-1, 1))
         s = torch.where(exact, qf @ rep(kk).transpose(1, 2), qf @ rep(kq).transpose(1, 2))
@@ -147,9 +147,11 @@ def perplexity(model, docs, sim, device):
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)
-    p.add_argument("--calib", required=True, nargs="+", help="calibration text (files/folders)")
+    p.add_argument("--calib", nargs="*", default=[], help="calibration text for --configs")
     p.add_argument("--eval", required=True, nargs="+", help="NAME=FILE.jsonl text domains")
-    p.add_argument("--configs", nargs="+", default=["plain", "default"], choices=list(CONFIGS))
+    p.add_argument("--configs", nargs="*", default=["plain", "default"], choices=list(CONFIGS))
+    p.add_argument("--codebooks", nargs="*", default=[],
+                   help="also score these codebook files (as the backend reads them)")
     p.add_argument("--bits", nargs="+", default=["4/4", "2/2"], help="K/V bits per element")
     p.add_argument("--windows", type=int, nargs="+", default=[128])
     p.add_argument("--parts", nargs="+", default=["kv"], choices=["kv", "k", "v"],
@@ -176,12 +178,15 @@ def main() -> int:
         name, path = spec.split("=", 1)
         paths[name] = os.path.abspath(path)
         domains[name] = load_docs(path, tok, a.max_len, a.docs)
-    seqs = calibrate.token_sequences(tok, calibrate.read_documents(a.calib), a.max_len, a.tokens)
+    if a.configs and not a.calib:
+        p.error("--configs trains codebooks: give --calib TEXT")
+    seqs = calibrate.token_sequences(tok, calibrate.read_documents(a.calib), a.max_len,
+                                     a.tokens) if a.configs else []
     total = sum(map(len, seqs))
     t0 = time.time()
     need_pre = any(CONFIGS[c][1] for c in a.configs)
     stats = calibrate.capture(model, tok, seqs, min(1.0, a.samples / total), 0, max(a.windows),
-                              dev, pre_rope=need_pre)
+                              dev, pre_rope=need_pre) if a.configs else None
     capture_s = time.time() - t0
 
     sim = Sim()
@@ -195,6 +200,49 @@ def main() -> int:
                  calib_text=a.calib, calib_tokens=total, capture_seconds=round(capture_s, 1),
                  eval_text=paths,
                  note="simulation in transformers; 'ppl_bf16' is the same run unquantized")
+
+    def score(cname, books, mk, mv, pre, method, train_s, pinned):
+        """Every window, part and layer group of one set of codebooks, on every domain."""
+        sim.books = [dict(k=books["k"][i].to(dev), v=books["v"][i].to(dev),
+                          k_transform=None if books["k_transform"] is None else books["k_transform"][i].to(dev),
+                          v_transform=None if books["v_transform"] is None else books["v_transform"][i].to(dev),
+                          sink=pinned)
+                     for i in range(cfg.num_hidden_layers)]
+        sim.pre_rope = rope_pairs(d).to(dev) if pre else None
+        n_layers, g = cfg.num_hidden_layers, a.layer_groups
+        variants = [(part, None) for part in a.parts] + [
+            ("kv", range(i, min(i + g, n_layers))) for i in range(0, n_layers if g else 0, g or 1)]
+        for w in a.windows:
+            sim.window = w
+            for part, layers in variants:
+                sim.parts, sim.layers = part, layers
+                for name, docs in domains.items():
+                    ppl, n = perplexity(model, docs, sim, dev)
+                    rows.append(dict(
+                        method=cname, bits_k=8 * mk // d, bits_v=8 * mv // d, m_k=mk, m_v=mv,
+                        window=w, pre_rope=pre, quantized=part,
+                        layers="all" if layers is None else f"{layers.start}-{layers.stop - 1}",
+                        eval_text=name, ppl=ppl, ppl_bf16=base[name][0],
+                        delta_pct=round(100 * (ppl / base[name][0] - 1), 3),
+                        train_seconds=train_s, method_params=method,
+                        rel_mse_k=books.get("rel_mse_k"), rel_mse_v=books.get("rel_mse_v")))
+                    print(f"{cname:24s} K{8 * mk // d}/V{8 * mv // d} W={w:4d} {part:2s} "
+                          f"{rows[-1]['layers']:5s} {name:8s}: ppl {ppl:.4f} "
+                          f"({rows[-1]['delta_pct']:+.2f}%)", flush=True)
+        with open(a.out, "w") as f:  # after every configuration: a cut run keeps its rows
+            json.dump(dict(stamp, rows=rows), f, indent=1)
+
+    for path in a.codebooks:  # files as calibrate wrote them
+        info = codebooks.read_info(path)
+        books = {"k": [], "v": [], "k_transform": [], "v_transform": []}
+        for i in range(info.num_layers):
+            k, v = codebooks.load_layer(info, i, slice(None))
+            tk, tv = codebooks.load_transforms(info, i, slice(None))
+            for key, val in zip(books, (k, v, tk, tv)):
+                books[key].append(val)
+        books = {key: None if val[0] is None else torch.stack(val) for key, val in books.items()}
+        cal = codebooks.calibration_of(info)
+        score(path, books, info.m, info.m, False, cal, None, bool(cal.get("pinned_bos_sink")))
     for bits in a.bits:
         bk, bv = (int(x) for x in bits.split("/"))
         mk, mv = bk * d // 8, bv * d // 8
@@ -210,37 +258,10 @@ def main() -> int:
                 books = calibrate.train(pre_stats, mk, mv, method, 0, dev, progress=False)
             else:
                 books = calibrate.train(stats, mk, mv, method, 0, dev, progress=False)
-            train_s = time.time() - t1
-            sim.books = [dict(k=books["k"][i].to(dev), v=books["v"][i].to(dev),
-                              k_transform=None if books["k_transform"] is None else books["k_transform"][i].to(dev),
-                              v_transform=None if books["v_transform"] is None else books["v_transform"][i].to(dev),
-                              sink=stats[i].sink)
-                         for i in range(cfg.num_hidden_layers)]
-            sim.pre_rope = rope_pairs(d).to(dev) if pre else None
-            n_layers = cfg.num_hidden_layers
-            g = a.layer_groups
-            variants = [(part, None) for part in a.parts] + [
-                ("kv", range(i, min(i + g, n_layers))) for i in range(0, n_layers if g else 0, g or 1)]
-            for w in a.windows:
-                sim.window = w
-                for part, layers in variants:
-                    sim.parts, sim.layers = part, layers
-                    for name, docs in domains.items():
-                        ppl, n = perplexity(model, docs, sim, dev)
-                        rows.append(dict(
-                            method=cname, bits_k=bk, bits_v=bv, m_k=mk, m_v=mv, window=w,
-                            pre_rope=pre, quantized=part,
-                            layers="all" if layers is None else f"{layers.start}-{layers.stop - 1}",
-                            eval_text=name, ppl=ppl, ppl_bf16=base[name][0],
-                            delta_pct=round(100 * (ppl / base[name][0] - 1), 3),
-                            train_seconds=round(train_s, 1), method_params=asdict(method),
-                            rel_mse_k=sum(books["rel_mse_k"]) / len(books["rel_mse_k"]),
-                            rel_mse_v=sum(books["rel_mse_v"]) / len(books["rel_mse_v"])))
-                        print(f"{cname:24s} K{bk}/V{bv} W={w:4d} {part:2s} {rows[-1]['layers']:5s} "
-                              f"{name:8s}: ppl {ppl:.4f} ({rows[-1]['delta_pct']:+.2f}%)  "
-                              f"train {train_s:.1f}s", flush=True)
-            with open(a.out, "w") as f:  # after every configuration: a cut run keeps its rows
-                json.dump(dict(stamp, rows=rows), f, indent=1)
+            books["rel_mse_k"] = sum(books["rel_mse_k"]) / len(books["rel_mse_k"])
+            books["rel_mse_v"] = sum(books["rel_mse_v"]) / len(books["rel_mse_v"])
+            score(cname, books, mk, mv, pre, asdict(method), round(time.time() - t1, 1),
+                  stats[0].sink is not None)
     sim.books = None
     with open(a.out, "w") as f:
         json.dump(dict(stamp, rows=rows), f, indent=1)

@@ -50,10 +50,7 @@ def codebook_meta(path):
     from vllm_pq_backend import codebooks
 
     info = codebooks.read_info(path)
-    from safetensors import safe_open
-
-    with safe_open(path, "pt") as f:
-        cal = json.loads(f.metadata().get("calibration", "{}"))
+    cal = codebooks.calibration_of(info)
     with open(path, "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()[:16]
     bits = 8 * info.m // info.head_dim
@@ -100,6 +97,23 @@ def agreement(a, b):
     return sum(x == y for s, t in zip(a, b) for x, y in zip(s, t)) / sum(len(t) for t in b)
 
 
+def short_label(row) -> str:
+    """A plot label: backend, bits per element, training (default / plain) and window."""
+    if row.get("m_k") is None:
+        return row["label"]
+    from dataclasses import asdict
+
+    from vllm_pq_backend.calibrate import Method
+
+    method = row["method"]
+    if method != "plain":
+        params = {k: v for k, v in json.loads(method).items() if k != "niter"}
+        plain = params.get("k_gamma") == 0 and not params.get("k_rotate") and not params.get("v_rotate")
+        default = params == {k: v for k, v in asdict(Method()).items() if k != "niter"}
+        method = "plain" if plain else "default" if default else "custom"
+    return f"CUSTOM {row['bits_k']}b/{row['bits_v']}b {method} W={row['window']}"
+
+
 def plot(rows, path):
     import matplotlib
 
@@ -111,7 +125,7 @@ def plot(rows, path):
     for ax, dom in zip(axes[0], domains):
         for r in (r for r in rows if r["eval_text"] == dom):
             ax.scatter(r["bytes_per_token_vs_bf16"], r["delta_pct"], s=30)
-            ax.annotate(r["label"], (r["bytes_per_token_vs_bf16"], r["delta_pct"]), fontsize=7,
+            ax.annotate(short_label(r), (r["bytes_per_token_vs_bf16"], r["delta_pct"]), fontsize=7,
                         xytext=(3, 3), textcoords="offset points")
         ax.axhline(0, color="gray", lw=0.5)
         ax.set_xscale("log", base=2)
@@ -137,7 +151,12 @@ def main() -> int:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--out", default="eval/results/accuracy.json")
+    p.add_argument("--plot-only", action="store_true", help="redraw the plot of --out")
     args = p.parse_args()
+    png = os.path.splitext(args.out)[0] + ".png"
+    if args.plot_only:
+        plot([r for r in json.load(open(args.out))["rows"] if "delta_pct" in r], png)
+        return 0
 
     from transformers import AutoConfig, AutoTokenizer
 
@@ -190,7 +209,7 @@ def main() -> int:
         with open(args.out, "w") as f:  # after every engine: a cut run keeps its rows
             json.dump(dict(stamp, rows=rows), f, indent=1)
     if any("delta_pct" in r for r in rows):
-        plot([r for r in rows if "delta_pct" in r], os.path.splitext(args.out)[0] + ".png")
+        plot([r for r in rows if "delta_pct" in r], png)
     return 0
 
 

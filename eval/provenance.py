@@ -9,8 +9,11 @@ import sys
 
 
 def git_commit() -> str:
-    """HEAD of the checkout (``+dirty`` with uncommitted changes); where the tree travels
-    without .git, the PQ_GIT_COMMIT the launcher exported."""
+    """PQ_GIT_COMMIT when the launcher exported it (a copied tree may carry a .git that is
+    not the one the code came from); else HEAD of the checkout, ``+dirty`` with
+    uncommitted changes."""
+    if os.environ.get("PQ_GIT_COMMIT"):
+        return os.environ["PQ_GIT_COMMIT"]
     here = os.path.dirname(os.path.abspath(__file__))
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True,
@@ -19,7 +22,7 @@ def git_commit() -> str:
                                cwd=here, capture_output=True, text=True).stdout.strip()
         return head + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("PQ_GIT_COMMIT", "unknown")
+        return "unknown"
 
 
 def _version(name: str) -> str:

@@ -205,7 +205,9 @@ class Sim:
         def dequant(x, cb, t):  # codes of x t, read back and mapped by t^-1
             if t is None:
                 return decode_codes(encode(x, cb), cb)
-            y = decode_codes(encode(torch.einsum("nhd,hde->nhe", x, t), cb), cb)
+            # the backend encodes the mapped row as stored: rounded to the activation dtype
+            xt = torch.einsum("nhd,hde->nhe", x, t).to(self.dtype).float()
+            y = decode_codes(encode(xt, cb), cb)
             return torch.einsum("nhe,hed->nhd", y, torch.linalg.inv(t))
 
         k_hat = dequant(k, st.k_cb32, st.maps["key"])

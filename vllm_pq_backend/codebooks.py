@@ -200,3 +200,9 @@ def load_transforms(info: CodebookInfo, layer: int, heads: slice):
             out.append(f.get_slice(name)[layer, heads].float().contiguous()
                        if name in info.transforms else None)
     return tuple(out)
+
+
+def calibration_of(info: CodebookInfo) -> dict:
+    """The calibration settings a file records (its ``calibration`` metadata)."""
+    with safe_open(info.path, framework="pt") as f:
+        return json.loads((f.metadata() or {}).get("calibration", "{}"))

@@ -63,8 +63,8 @@ class LayerState:
         if t is None:
             return x
         n, h, d = x.shape
-        y = torch.einsum("nkgd,kde->nkge", x.float().view(n, t.shape[0], -1, d), t)
-        return y.reshape(n, h, d).to(x.dtype)
+        y = torch.matmul(x.float().view(n, t.shape[0], -1, d), t)  # dense [n, Hkv, g, d]
+        return y.view(n, h, d).to(x.dtype)
 
     def workspace(self, n: int, hq: int, splits: int):
         """Split results of the decode kernel, shared by all layers of the process."""

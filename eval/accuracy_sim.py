@@ -163,6 +163,7 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=65536, help="calibration tokens")
     p.add_argument("--samples", type=int, default=32768)
     p.add_argument("--niter", type=int, default=Method.niter)
+    p.add_argument("--shuffle-docs", action="store_true", help="as calibrate --shuffle-docs")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default="eval/results/accuracy_sim.json")
@@ -180,8 +181,8 @@ def main() -> int:
         domains[name] = load_docs(path, tok, a.max_len, a.docs)
     if a.configs and not a.calib:
         p.error("--configs trains codebooks: give --calib TEXT")
-    seqs = calibrate.token_sequences(tok, calibrate.read_documents(a.calib), a.max_len,
-                                     a.tokens) if a.configs else []
+    seqs = calibrate.token_sequences(tok, calibrate.read_documents(a.calib), a.max_len, a.tokens,
+                                     0 if a.shuffle_docs else None) if a.configs else []
     total = sum(map(len, seqs))
     t0 = time.time()
     need_pre = any(CONFIGS[c][1] for c in a.configs)
@@ -198,6 +199,7 @@ def main() -> int:
     rows = [dict(method="bf16", eval_text=name, ppl=ppl, tokens=n) for name, (ppl, n) in base.items()]
     stamp = dict(provenance(None if dev.startswith("cuda") else "cpu"), model=a.model,
                  calib_text=a.calib, calib_tokens=total, capture_seconds=round(capture_s, 1),
+                 calib_samples=a.samples, shuffle_docs=a.shuffle_docs,
                  eval_text=paths,
                  note="simulation in transformers; 'ppl_bf16' is the same run unquantized")
 

@@ -12,6 +12,9 @@ documents); ``kernel.jsonl`` = Linux kernel documentation (``linux-doc-6.1``: ad
 process, filesystems, scheduler, memory management, locking; another technical field);
 ``fortunes.jsonl`` = the ``fortunes`` package's quotations, poems, jokes and anecdotes
 (general English, no technical text), joined into documents of about 8,000 characters.
+``calib_mix.jsonl``: a wider calibration text for the ablation of calibration text: the
+library reference plus Perl's documentation (``perl-doc`` pods) and the Jargon File
+(``jargon-text``), none of which is in an evaluation file.
 """
 
 from __future__ import annotations
@@ -113,6 +116,16 @@ def prepare_text(out: str) -> None:
                     docs.append((f"{name}/{part}", "\n\n".join(doc)))
                     doc, part = [], part + 1
         _write(os.path.join(out, "fortunes.jsonl"), docs)
+
+        mix = [(f"python/{i}", json.loads(line)["text"])
+               for i, line in enumerate(open(os.path.join(out, "calib.jsonl")))]
+        root = _unpack("perl-doc", tmp)
+        mix += [(os.path.basename(f), open(f, encoding="utf-8", errors="replace").read())
+                for f in sorted(glob.glob(f"{root}/usr/share/perl/*/pod/*.pod"))]
+        text = gzip.open(glob.glob(f"{_unpack('jargon-text', tmp)}/usr/share/doc/jargon-text/jargon.txt.gz")[0],
+                         "rt", encoding="utf-8", errors="replace").read()
+        mix += [(f"jargon/{i}", text[i : i + 8000]) for i in range(0, len(text), 8000)]
+        _write(os.path.join(out, "calib_mix.jsonl"), [d for d in mix if len(d[1].strip()) > 2000])
 
 
 def main() -> int:

@@ -76,9 +76,14 @@ def read_documents(paths: list[str]) -> list[str]:
     return docs
 
 
-def token_sequences(tokenizer, docs, seq_len: int, max_tokens: int) -> list[list[int]]:
-    """Documents cut into sequences of at most ``seq_len`` tokens, BOS first if any."""
+def token_sequences(tokenizer, docs, seq_len: int, max_tokens: int,
+                    shuffle_seed: int | None = None) -> list[list[int]]:
+    """Documents cut into sequences of at most ``seq_len`` tokens, BOS first if any, until
+    ``max_tokens``: in file order, or in a seeded random order (a sample of the whole
+    text, not its first documents)."""
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    if shuffle_seed is not None:
+        docs = [docs[i] for i in torch.randperm(len(docs), generator=torch.Generator().manual_seed(shuffle_seed))]
     seqs, total = [], 0
     for doc in docs:
         ids = tokenizer(doc, add_special_tokens=False)["input_ids"]
@@ -363,6 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", nargs="*", default=[], metavar="FIELD=VALUE",
                    help="override a training setting (fields of calibrate.Method, e.g. "
                         "v_gamma=0.5); for ablations, the defaults are the best measured")
+    p.add_argument("--shuffle-docs", action="store_true",
+                   help="take --tokens from documents in a seeded random order, not file order")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                    help="model dtype for the forward passes (default bfloat16, as served)")
@@ -435,7 +442,8 @@ def _run(args, parser) -> int:
 
     docs = read_documents(args.text)
     cfg, tok, model = load_model(args.model, args.dtype, args.device)
-    seqs = token_sequences(tok, docs, args.seq_len, args.tokens)
+    seqs = token_sequences(tok, docs, args.seq_len, args.tokens,
+                           args.seed if args.shuffle_docs else None)
     total = sum(map(len, seqs))
     print(f"calibration: {len(docs)} documents, {len(seqs)} sequences, {total} tokens, "
           f"M={m} ({8 * m // d} bits per element), device {args.device}", flush=True)
@@ -452,8 +460,10 @@ def _run(args, parser) -> int:
         "texts": [os.path.abspath(t) for t in args.text],
         "documents": len(docs), "tokens": total, "samples_per_head": samples,
         "seed": args.seed, "dtype": args.dtype, "window": args.window,
+        "shuffle_docs": args.shuffle_docs,
         "method": asdict(method), "pinned_bos_sink": stats[0].sink is not None,
         "rel_mse_k": books["rel_mse_k"], "rel_mse_v": books["rel_mse_v"],
+        "seconds": round(time.time() - t0, 1),
     }, k_transform=books["k_transform"], v_transform=books["v_transform"])
     mk, mv = (sum(books[x]) / len(books[x]) for x in ("rel_mse_k", "rel_mse_v"))
     print(f"wrote {out}: {cfg.num_hidden_layers} layers x {books['k'].shape[1]} KV heads, "

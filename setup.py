@@ -1,9 +1,8 @@
 """vllm_pq_backend: product-quantized KV cache attention backend for vLLM.
 
 The CUDA kernels (csrc/) build when this runs next to a CUDA build of torch and nvcc:
-``pip install --no-build-isolation -e .``. Elsewhere (a CPU-only machine, or pip's
-isolated build env, which has no torch) the package installs as pure Python and uses its
-PyTorch reference path.
+``python setup.py build_ext --inplace`` (what install.sh does after ``pip install -e``).
+In pip's isolated build env, which has no torch, the package installs as pure Python.
 """
 
 import glob

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Set-up in one command, inside the Python environment you want it in (a venv, conda env):
+#     bash install.sh
+# Installs the package with its pinned dependencies and test tools. Then, where torch is
+# a CPU-only build, removes the CUDA builds of torchvision/torchaudio/torchcodec that vLLM
+# pulls in (next to CPU torch they break `import transformers`; text models do not use
+# them); where torch is a CUDA build and nvcc is on PATH, builds the CUDA kernels in place.
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PYTHON:-python3}
+# a fresh venv may lack setuptools (3.12) or wheel (3.11): the editable install needs both
+$PY -m pip install -q --upgrade pip setuptools wheel
+$PY -m pip install -q -e ".[test]"
+if $PY -c "import sys, torch; sys.exit(torch.version.cuda is not None)"; then
+  $PY -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  echo "install.sh: CPU-only torch: the PyTorch reference path runs (no CUDA kernels); removed vLLM's CUDA builds of torchvision/torchaudio/torchcodec"
+elif command -v nvcc >/dev/null 2>&1; then
+  mkdir -p build
+  echo "install.sh: building the CUDA kernels (a few minutes; log in build/kernels.log)"
+  start=$(date +%s)
+  if ! MAX_JOBS=${MAX_JOBS:-$(nproc)} $PY setup.py build_ext --inplace > build/kernels.log 2>&1; then
+    tail -n 30 build/kernels.log
+    echo "install.sh: error: the CUDA kernels did not build (see build/kernels.log)" >&2
+    exit 1
+  fi
+  $PY -c "import vllm_pq_backend._C"
+  echo "install.sh: CUDA kernels built in $(( $(date +%s) - start )) s"
+else
+  echo "install.sh: warning: torch is a CUDA build but nvcc is not on PATH: the CUDA kernels are not built and the backend would run its slow PyTorch reference path; put the CUDA toolkit's nvcc on PATH and run install.sh again" >&2
+fi
+echo "install.sh: done. Tests: python -m pytest -q"

@@ -129,3 +129,16 @@ def test_calibrate_rejects_bad_inputs_in_one_line(tmp_path, capsys):
     assert main(["--model", model, "--text", str(tmp_path / "missing.txt")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "calibration text not found" in err[0]
+
+
+def test_prepare_names_what_is_missing_in_one_line(tmp_path):
+    """eval/prepare.py without the SmolLM2 GGUF says where it comes from (exit 1, one line)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "eval" / "prepare.py"
+    r = subprocess.run([sys.executable, str(script), "--model", str(tmp_path / "m"),
+                        "--gguf-dir", str(tmp_path)], capture_output=True, text=True)
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines() == [f"prepare.py: no .gguf file in {tmp_path}"]

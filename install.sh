@@ -4,7 +4,8 @@
 # Installs the package with its pinned dependencies and test tools. Then, where torch is
 # a CPU-only build, removes the CUDA builds of torchvision/torchaudio/torchcodec that vLLM
 # pulls in (next to CPU torch they break `import transformers`; text models do not use
-# them); where torch is a CUDA build and nvcc is on PATH, builds the CUDA kernels in place.
+# them); where torch is a CUDA build, a GPU is visible (or TORCH_CUDA_ARCH_LIST names one)
+# and nvcc is on PATH, builds the CUDA kernels in place.
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
@@ -14,6 +15,8 @@ $PY -m pip install -q -e ".[test]"
 if $PY -c "import sys, torch; sys.exit(torch.version.cuda is not None)"; then
   $PY -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   echo "install.sh: CPU-only torch: the PyTorch reference path runs (no CUDA kernels); removed vLLM's CUDA builds of torchvision/torchaudio/torchcodec"
+elif [ -z "${TORCH_CUDA_ARCH_LIST:-}" ] && ! $PY -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+  echo "install.sh: no GPU visible: the CUDA kernels are not built (run install.sh on the GPU machine, or set TORCH_CUDA_ARCH_LIST, e.g. 9.0, to build them for one here)"
 elif command -v nvcc >/dev/null 2>&1; then
   mkdir -p build
   echo "install.sh: building the CUDA kernels (a few minutes; log in build/kernels.log)"

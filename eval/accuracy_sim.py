@@ -203,6 +203,8 @@ def main() -> int:
                  eval_text=paths,
                  note="simulation in transformers; 'ppl_bf16' is the same run unquantized")
 
+    perm = rope_pairs(d)
+
     def score(cname, books, mk, mv, pre, method, train_s, pinned):
         """Every window, part and layer group of one set of codebooks, on every domain."""
         sim.books = [dict(k=books["k"][i].to(dev), v=books["v"][i].to(dev),
@@ -210,7 +212,7 @@ def main() -> int:
                           v_transform=None if books["v_transform"] is None else books["v_transform"][i].to(dev),
                           sink=pinned)
                      for i in range(cfg.num_hidden_layers)]
-        sim.pre_rope = rope_pairs(d).to(dev) if pre else None
+        sim.pre_rope = perm.to(dev) if pre else None
         n_layers, g = cfg.num_hidden_layers, a.layer_groups
         variants = [(part, None) for part in a.parts] + [
             ("kv", range(i, min(i + g, n_layers))) for i in range(0, n_layers if g else 0, g or 1)]
@@ -253,7 +255,6 @@ def main() -> int:
             method = replace(method, niter=a.niter)
             t1 = time.time()
             if pre:  # keys before RoPE, RoPE pairs side by side in a subspace
-                perm = rope_pairs(d)
                 pre_stats = [calibrate.LayerStats(k=[x[..., perm] for x in st.k_pre], v=st.v,
                                                   mass=st.mass, qa=st.qa, sink=None)
                              for st in stats]
@@ -264,8 +265,7 @@ def main() -> int:
             books["rel_mse_v"] = sum(books["rel_mse_v"]) / len(books["rel_mse_v"])
             score(cname, books, mk, mv, pre, asdict(method), round(time.time() - t1, 1),
                   stats[0].sink is not None)
-    sim.books = None
-    with open(a.out, "w") as f:
+    with open(a.out, "w") as f:  # also when only the bf16 rows were asked for
         json.dump(dict(stamp, rows=rows), f, indent=1)
     return 0
 

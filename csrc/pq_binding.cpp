@@ -3,26 +3,58 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
+#include <vector>
+
 #include "pq_kernels.h"
 
 namespace {
 
 using torch::Tensor;
 
-pq::DType dtype_of(const Tensor& t) {
+pq::DType dtype_of(const Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16,
-              "PQ kernels take float16 or bfloat16, got ", t.scalar_type());
+              "vllm_pq_backend: ", name, " must be float16 or bfloat16, got ", t.scalar_type());
   return t.scalar_type() == at::kBFloat16 ? pq::DType::kBFloat16 : pq::DType::kFloat16;
 }
 
-pq::Pages pages_of(const Tensor& kv_cache, int64_t k_off, int64_t k_tok, int64_t v_off,
-                   int64_t v_sub) {
-  // vLLM's layer view [blocks, kv_heads, B, 2M] (uint8/int8), a (block, head) region dense
-  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.element_size() == 1, "kv_cache must be a 4-D byte view");
+// Every tensor an op reads or writes: on `dev`, of the expected rank and sizes (-1: any).
+void check(const Tensor& t, const char* name, const at::Device& dev, std::vector<int64_t> sizes) {
+  TORCH_CHECK(t.device() == dev, "vllm_pq_backend: ", name, " is on ", t.device(), ", expected ", dev);
+  bool ok = t.dim() == (int64_t)sizes.size();
+  for (size_t i = 0; ok && i < sizes.size(); ++i) ok = sizes[i] < 0 || t.size(i) == sizes[i];
+  TORCH_CHECK(ok, "vllm_pq_backend: ", name, " has shape ", t.sizes(), ", expected ", at::IntArrayRef(sizes),
+              " (-1: any)");
+}
+
+void check_dtype(const Tensor& t, const char* name, at::ScalarType want) {
+  TORCH_CHECK(t.scalar_type() == want, "vllm_pq_backend: ", name, " must be ", want, ", got ", t.scalar_type());
+}
+
+// Codebooks [kv_heads, M, 256, head_dim / M], contiguous.
+int64_t check_codebook(const Tensor& cb, const char* name, const at::Device& dev, int64_t heads,
+                       int64_t d, at::ScalarType dtype) {
+  check(cb, name, dev, {heads, -1, 256, -1});
+  check_dtype(cb, name, dtype);
+  TORCH_CHECK(cb.is_contiguous() && cb.size(1) * cb.size(3) == d, "vllm_pq_backend: ", name,
+              " must be contiguous [", heads, ", M, 256, ", d, "/M], got ", cb.sizes());
+  return cb.size(1);
+}
+
+// vLLM's layer view [blocks, kv_heads, B, Mk + Mv] (bytes), a (block, head) region dense and
+// laid out as vllm_pq_backend/layout.py says.
+pq::Pages pages_of(const Tensor& kv_cache, const at::Device& dev, int64_t heads, int64_t m_k,
+                   int64_t m_v, int64_t k_off, int64_t k_tok, int64_t v_off, int64_t v_sub) {
+  check(kv_cache, "kv_cache", dev, {-1, heads, -1, m_k + m_v});
+  TORCH_CHECK(kv_cache.element_size() == 1, "vllm_pq_backend: kv_cache must be a byte view, got ",
+              kv_cache.scalar_type());
   TORCH_CHECK(kv_cache.stride(3) == 1 && kv_cache.stride(2) == kv_cache.size(3),
-              "each (block, head) region of kv_cache must be contiguous");
+              "vllm_pq_backend: each (block, head) region of kv_cache must be contiguous");
+  const int64_t b = kv_cache.size(2);
+  TORCH_CHECK(k_off == 0 && k_tok == m_k && v_off == b * m_k && v_sub == b,
+              "vllm_pq_backend: page layout (", k_off, ", ", k_tok, ", ", v_off, ", ", v_sub,
+              ") does not match kv_cache block size ", b, " with Mk=", m_k, ", Mv=", m_v);
   return pq::Pages{static_cast<uint8_t*>(kv_cache.data_ptr()), kv_cache.stride(0),
-                   kv_cache.stride(1), static_cast<int>(kv_cache.size(2)),
+                   kv_cache.stride(1), static_cast<int>(b),
                    pq::PageLayout{(int)k_off, (int)k_tok, (int)v_off, (int)v_sub}};
 }
 
@@ -33,14 +65,25 @@ void check_cuda(cudaError_t err, const char* what) {
 void store(Tensor kv_cache, const Tensor& key, const Tensor& value, const Tensor& slot_mapping,
            const Tensor& k_cb, const Tensor& v_cb, int64_t k_off, int64_t k_tok, int64_t v_off,
            int64_t v_sub) {
-  const at::cuda::OptionalCUDAGuard guard(key.device());
-  TORCH_CHECK(key.dim() == 3 && key.stride(2) == 1 && key.stride(1) == key.size(2), "key must be [n, H, D] with dense rows");
-  TORCH_CHECK(value.sizes() == key.sizes() && value.stride(2) == 1 && value.stride(1) == value.size(2), "value must match key");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "slot_mapping must be contiguous int64");
-  TORCH_CHECK(k_cb.scalar_type() == at::kFloat && k_cb.is_contiguous() && v_cb.is_contiguous() &&
-                  v_cb.scalar_type() == at::kFloat, "store codebooks must be contiguous float32");
+  const at::Device dev = key.device();
+  TORCH_CHECK(dev.is_cuda(), "vllm_pq_backend: key must be a CUDA tensor");
+  const at::cuda::OptionalCUDAGuard guard(dev);
+  check(key, "key", dev, {-1, -1, -1});
+  const int64_t n = key.size(0), heads = key.size(1), d = key.size(2);
+  check(value, "value", dev, {n, heads, d});
+  TORCH_CHECK(key.stride(2) == 1 && key.stride(1) == d && value.stride(2) == 1 && value.stride(1) == d,
+              "vllm_pq_backend: key and value must be [n, kv_heads, head_dim] with dense rows");
+  const pq::DType dt = dtype_of(key, "key");
+  check_dtype(value, "value", key.scalar_type());
+  check(slot_mapping, "slot_mapping", dev, {-1});
+  check_dtype(slot_mapping, "slot_mapping", at::kLong);
+  TORCH_CHECK(slot_mapping.is_contiguous() && slot_mapping.size(0) <= n,
+              "vllm_pq_backend: slot_mapping must be contiguous with at most key.size(0)=", n, " entries, got ",
+              slot_mapping.sizes());
+  const int64_t m_k = check_codebook(k_cb, "k_cb", dev, heads, d, at::kFloat);
+  const int64_t m_v = check_codebook(v_cb, "v_cb", dev, heads, d, at::kFloat);
   pq::StoreArgs a{};
-  a.pages = pages_of(kv_cache, k_off, k_tok, v_off, v_sub);
+  a.pages = pages_of(kv_cache, dev, heads, m_k, m_v, k_off, k_tok, v_off, v_sub);
   a.key = key.data_ptr();
   a.value = value.data_ptr();
   a.key_stride = key.stride(0);
@@ -49,11 +92,11 @@ void store(Tensor kv_cache, const Tensor& key, const Tensor& value, const Tensor
   a.k_cb = k_cb.data_ptr<float>();
   a.v_cb = v_cb.data_ptr<float>();
   a.num_tokens = static_cast<int>(slot_mapping.size(0));
-  a.num_kv_heads = static_cast<int>(key.size(1));
-  a.head_dim = static_cast<int>(key.size(2));
-  a.m = static_cast<int>(k_cb.size(1));
-  a.dtype = dtype_of(key);
-  TORCH_CHECK(key.size(0) >= a.num_tokens, "fewer key rows than slots");
+  a.num_kv_heads = static_cast<int>(heads);
+  a.head_dim = static_cast<int>(d);
+  a.m_k = static_cast<int>(m_k);
+  a.m_v = static_cast<int>(m_v);
+  a.dtype = dt;
   check_cuda(pq::store(a, at::cuda::getCurrentCUDAStream()), "store");
 }
 
@@ -62,19 +105,39 @@ void decode(Tensor out, const Tensor& q, const Tensor& kv_cache, const Tensor& b
             const Tensor& win_v, const Tensor& rows, int64_t window, int64_t num_splits,
             double scale, bool lut, Tensor ws_o, Tensor ws_lse, int64_t k_off, int64_t k_tok,
             int64_t v_off, int64_t v_sub) {
-  const at::cuda::OptionalCUDAGuard guard(q.device());
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [R, Hq, D] with dense heads");
-  TORCH_CHECK(out.sizes() == q.sizes() && out.stride(2) == 1 && out.stride(1) == out.size(2) &&
-                  out.scalar_type() == q.scalar_type(), "out must match q");
-  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.stride(1) == 1, "block_table must be int32 rows");
-  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(), "seq_lens must be contiguous int32");
-  TORCH_CHECK(k_cb.scalar_type() == q.scalar_type() && v_cb.scalar_type() == q.scalar_type() &&
-                  k_cb.is_contiguous() && v_cb.is_contiguous(), "codebooks must be contiguous, in q's dtype");
+  const at::Device dev = q.device();
+  TORCH_CHECK(dev.is_cuda(), "vllm_pq_backend: q must be a CUDA tensor");
+  const at::cuda::OptionalCUDAGuard guard(dev);
+  check(q, "q", dev, {-1, -1, -1});
   const int64_t reqs = q.size(0), heads = q.size(1), d = q.size(2);
-  TORCH_CHECK(ws_o.numel() >= reqs * heads * (num_splits + 1) * d && ws_lse.numel() >= reqs * heads * (num_splits + 1),
-              "decode workspace too small");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == d, "vllm_pq_backend: q must be [R, Hq, D] with dense heads");
+  const pq::DType dt = dtype_of(q, "q");
+  check(out, "out", dev, {reqs, heads, d});
+  check_dtype(out, "out", q.scalar_type());
+  TORCH_CHECK(out.stride(2) == 1 && out.stride(1) == d, "vllm_pq_backend: out must have dense heads");
+  const int64_t kv_heads = k_cb.size(0);
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "vllm_pq_backend: ", heads,
+              " query heads are not a multiple of k_cb's ", kv_heads, " KV heads");
+  const int64_t m_k = check_codebook(k_cb, "k_cb", dev, kv_heads, d, q.scalar_type());
+  const int64_t m_v = check_codebook(v_cb, "v_cb", dev, kv_heads, d, q.scalar_type());
+  check(block_table, "block_table", dev, {-1, -1});
+  check_dtype(block_table, "block_table", at::kInt);
+  TORCH_CHECK(block_table.size(0) >= reqs && block_table.stride(1) == 1,
+              "vllm_pq_backend: block_table must have >= ", reqs, " int32 rows with unit stride, got ",
+              block_table.sizes());
+  check(seq_lens, "seq_lens", dev, {-1});
+  check_dtype(seq_lens, "seq_lens", at::kInt);
+  TORCH_CHECK(seq_lens.is_contiguous() && seq_lens.size(0) >= reqs, "vllm_pq_backend: seq_lens must be "
+              "contiguous int32 with >= ", reqs, " entries");
+  TORCH_CHECK(num_splits >= 1, "vllm_pq_backend: num_splits must be >= 1, got ", num_splits);
+  check_dtype(ws_o, "ws_o", at::kFloat);
+  check_dtype(ws_lse, "ws_lse", at::kFloat);
+  TORCH_CHECK(ws_o.device() == dev && ws_lse.device() == dev && ws_o.is_contiguous() && ws_lse.is_contiguous() &&
+                  ws_o.numel() >= reqs * heads * (num_splits + 1) * d &&
+                  ws_lse.numel() >= reqs * heads * (num_splits + 1),
+              "vllm_pq_backend: decode workspace too small or not on ", dev);
   pq::DecodeArgs a{};
-  a.pages = pages_of(kv_cache, k_off, k_tok, v_off, v_sub);
+  a.pages = pages_of(kv_cache, dev, kv_heads, m_k, m_v, k_off, k_tok, v_off, v_sub);
   a.q = q.data_ptr();
   a.q_stride = q.stride(0);
   a.out = out.data_ptr();
@@ -84,27 +147,34 @@ void decode(Tensor out, const Tensor& q, const Tensor& kv_cache, const Tensor& b
   a.seq_lens = seq_lens.data_ptr<int32_t>();
   a.k_cb = k_cb.data_ptr();
   a.v_cb = v_cb.data_ptr();
+  TORCH_CHECK(window >= 0, "vllm_pq_backend: window must be >= 0, got ", window);
   a.window = static_cast<int>(window);
   if (window > 0) {
-    TORCH_CHECK(win_k.dim() == 4 && win_k.is_contiguous() && win_v.is_contiguous() &&
-                    win_k.size(2) == window && win_k.scalar_type() == q.scalar_type(),
-                "window store must be contiguous [rows, kv_heads, W, D] in q's dtype");
-    TORCH_CHECK(rows.scalar_type() == at::kInt && rows.is_contiguous() && rows.size(0) >= reqs, "rows must be int32 [R]");
+    check(win_k, "win_k", dev, {-1, kv_heads, window, d});
+    check(win_v, "win_v", dev, {win_k.size(0), kv_heads, window, d});
+    check_dtype(win_k, "win_k", q.scalar_type());
+    check_dtype(win_v, "win_v", q.scalar_type());
+    TORCH_CHECK(win_k.is_contiguous() && win_v.is_contiguous(), "vllm_pq_backend: window store must be contiguous");
+    check(rows, "rows", dev, {-1});
+    check_dtype(rows, "rows", at::kInt);
+    TORCH_CHECK(rows.is_contiguous() && rows.size(0) >= reqs, "vllm_pq_backend: rows must be contiguous int32 "
+                "with >= ", reqs, " entries");
     a.win_k = win_k.data_ptr();
     a.win_v = win_v.data_ptr();
     a.rows = rows.data_ptr<int32_t>();
   }
   a.num_reqs = static_cast<int>(reqs);
   a.num_heads = static_cast<int>(heads);
-  a.num_kv_heads = static_cast<int>(k_cb.size(0));
+  a.num_kv_heads = static_cast<int>(kv_heads);
   a.head_dim = static_cast<int>(d);
-  a.m = static_cast<int>(k_cb.size(1));
+  a.m_k = static_cast<int>(m_k);
+  a.m_v = static_cast<int>(m_v);
   a.num_splits = static_cast<int>(num_splits);
   a.scale = static_cast<float>(scale);
   a.lut = lut;
   a.ws_o = ws_o.data_ptr<float>();
   a.ws_lse = ws_lse.data_ptr<float>();
-  a.dtype = dtype_of(q);
+  a.dtype = dt;
   check_cuda(pq::decode(a, at::cuda::getCurrentCUDAStream()), "decode");
 }
 

@@ -1,4 +1,4 @@
-// Decode entry point: picks the (dtype, head_dim, M) instantiation, then merges the
+// Decode entry point: picks the (dtype, head_dim, Mk, Mv) instantiation, then merges the
 // split results by their log-sum-exp. The instantiations live in generated units
 // (csrc/gen_units.py, which also writes the list of cases below) so that they compile
 // in parallel.
@@ -8,7 +8,7 @@
 
 namespace pq {
 
-template <typename T, int D, int M>
+template <typename T, int D, int MK, int MV>
 cudaError_t launch_decode(const DecodeArgs& a, cudaStream_t stream);
 
 namespace {
@@ -38,11 +38,11 @@ __global__ void reduce_kernel(DecodeArgs a) {
 
 template <typename T>
 cudaError_t decode_typed(const DecodeArgs& a, cudaStream_t stream) {
-  const int key = a.head_dim * 1000 + a.m;
+  const int64_t key = (int64_t)a.head_dim * 1000000 + a.m_k * 1000 + a.m_v;
   cudaError_t err;
   switch (key) {
-#define PQ_CASE(D, M) \
-  case D * 1000 + M: err = launch_decode<T, D, M>(a, stream); break;
+#define PQ_CASE(D, MK, MV) \
+  case D * 1000000 + MK * 1000 + MV: err = launch_decode<T, D, MK, MV>(a, stream); break;
 #include "pq_decode_shapes.inc"  // generated next to the units (csrc/gen_units.py)
 #undef PQ_CASE
     default: return cudaErrorInvalidValue;

@@ -37,22 +37,26 @@ constexpr int kChunk = 32;
 constexpr int kHeadsPerCta = 8;
 constexpr float kLog2e = 1.4426950408889634f;
 
-template <typename T, int D, int M>
+// MK / MV: K and V subspaces per head (K and V may have different bit rates).
+template <typename T, int D, int MK, int MV>
 struct DecodeCfg {
-  static constexpr int DS = D / M;    // dims per subspace
+  static constexpr int DSK = D / MK;  // dims per K subspace
+  static constexpr int DSV = D / MV;  // dims per V subspace
   static constexpr int KQ = D / 4;    // K dims per lane quarter
   static constexpr int KW = KQ / 2;   // 32-bit words per token for K
-  static constexpr int MQ = M / 4;    // K subspaces (code bytes) per lane quarter
-  static constexpr int VSUB = M / 8;  // V subspaces owned per lane (8q + r)
-  static constexpr int DW = DS / 2;   // words per centroid
+  static constexpr int MQ = MK / 4;   // K subspaces (code bytes) per lane quarter
+  static constexpr int VSUB = MV / 8; // V subspaces owned per lane (8q + r)
+  static constexpr int DWK = DSK / 2; // words per K centroid
+  static constexpr int DWV = DSV / 2; // words per V centroid
   static constexpr int NT = D / 16;   // m16 tiles of output dims
   static constexpr bool kCbSmem = D <= 128;
   static constexpr bool kPrefetch = D <= 128;
   static constexpr int kCbBytes = 2 * kCentroids * D * (int)sizeof(T);
   static constexpr int kRedBytes = kDecodeWarps * kHeadsPerCta * (D + 2) * (int)sizeof(float);
   static constexpr int kSmem = (kCbSmem && kCbBytes > kRedBytes) ? kCbBytes : kRedBytes;
-  static_assert(DS >= 2 && DS <= 8 && D % 16 == 0 && M % 8 == 0, "unsupported D/M");
-  static_assert(VSUB * DW == NT, "tiles");
+  static_assert(DSK >= 2 && DSK <= 8 && DSV >= 2 && DSV <= 8 && D % 16 == 0 && MK % 8 == 0 &&
+                MV % 8 == 0, "unsupported D/M");
+  static_assert(VSUB * DWV == NT, "tiles");
 };
 
 // Shared-memory codebook layouts, in units of UW 32-bit words (a centroid, or one LUT
@@ -69,12 +73,12 @@ __device__ __forceinline__ int quarter_unit(int sub, int code) {
 
 template <class C>
 __device__ __forceinline__ int k_unit(int sub, int code) {
-  return quarter_unit<C::DW, C::MQ>(sub, code);
+  return quarter_unit<C::DWK, C::MQ>(sub, code);
 }
 
 template <class C>
 __device__ __forceinline__ int v_unit(int sub, int code) {
-  if constexpr (C::DW > 1) {
+  if constexpr (C::DWV > 1) {
     return sub * kCentroids + code;
   } else {
     constexpr int g = 4;  // 32 units a row, 8 groups
@@ -96,13 +100,13 @@ __device__ __forceinline__ int k_token(int half, int r) { return 8 * (r >> 1) + 
 // (through a pointer that may also be global they would be generic loads).
 extern __shared__ __align__(16) uint8_t pq_smem[];
 
-template <typename T, int D, int M>
+template <typename T, int D, int MK, int MV>
 struct DecodeCta {
-  using C = DecodeCfg<T, D, M>;
+  using C = DecodeCfg<T, D, MK, MV>;
   const DecodeArgs& a;
   int req, hkv, r, c;
   const int32_t* bt;
-  const T* kcb;  // this head's codebooks in global memory, [M][256][DS]
+  const T* kcb;  // this head's codebooks in global memory, [MK][256][DSK], [MV][256][DSV]
   const T* vcb;
   const T* wk;   // this request's window rows [W][D]
   const T* wv;
@@ -140,24 +144,24 @@ struct DecodeCta {
 #pragma unroll
       for (int mm = 0; mm < C::MQ; ++mm) {
         const int code = byte_of(cc.k[h][e], mm);
-        uint32_t cw[C::DW];
+        uint32_t cw[C::DWK];
         const int sub = c * C::MQ + mm;
-        load_words<C::DW>(k_book() + (C::kCbSmem ? k_unit<C>(sub, code) : sub * kCentroids + code) * C::DS, cw);
+        load_words<C::DWK>(k_book() + (C::kCbSmem ? k_unit<C>(sub, code) : sub * kCentroids + code) * C::DSK, cw);
 #pragma unroll
-        for (int u = 0; u < C::DW; ++u) w[mm * C::DW + u] = cw[u];
+        for (int u = 0; u < C::DWK; ++u) w[mm * C::DWK + u] = cw[u];
       }
     }
   }
 
   // V of token `pos` in owned subspace q (dims (8q + r) * DS ..).
   template <bool WIN>
-  __device__ void fetch_v(const ChunkCodes<C>& cc, int h, int q, int k, int pos, uint32_t (&w)[C::DW]) const {
+  __device__ void fetch_v(const ChunkCodes<C>& cc, int h, int q, int k, int pos, uint32_t (&w)[C::DWV]) const {
     const int s = 8 * q + r;
     if constexpr (WIN) {
-      load_words<C::DW>(wv + (int64_t)win_slot(pos) * D + s * C::DS, w);
+      load_words<C::DWV>(wv + (int64_t)win_slot(pos) * D + s * C::DSV, w);
     } else {
       const int code = (cc.v[h][q] >> (8 * k)) & 0xff;
-      load_words<C::DW>(v_book() + (C::kCbSmem ? v_unit<C>(s, code) : s * kCentroids + code) * C::DS, w);
+      load_words<C::DWV>(v_book() + (C::kCbSmem ? v_unit<C>(s, code) : s * kCentroids + code) * C::DSV, w);
     }
   }
 
@@ -176,9 +180,9 @@ struct DecodeCta {
   }
 };
 
-template <typename T, int D, int M, bool LUT>
+template <typename T, int D, int MK, int MV, bool LUT>
 __global__ void __launch_bounds__(kDecodeThreads, 1) decode_kernel(DecodeArgs a) {
-  using C = DecodeCfg<T, D, M>;
+  using C = DecodeCfg<T, D, MK, MV>;
   static_assert(!LUT || C::kCbSmem, "the LUT takes the shared-memory codebook's place");
   const int group = a.num_heads / a.num_kv_heads;
   const int hgroups = ceil_div(group, kHeadsPerCta);
@@ -210,7 +214,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_kernel(DecodeArgs a)
     return;
   }
 
-  DecodeCta<T, D, M> cta{a, req, hkv, r, c, a.block_table + (int64_t)req * a.bt_stride,
+  DecodeCta<T, D, MK, MV> cta{a, req, hkv, r, c, a.block_table + (int64_t)req * a.bt_stride,
                          static_cast<const T*>(a.k_cb) + (int64_t)hkv * kCentroids * D,
                          static_cast<const T*>(a.v_cb) + (int64_t)hkv * kCentroids * D,
                          nullptr, nullptr, n_codes};
@@ -221,21 +225,25 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_kernel(DecodeArgs a)
   } else if constexpr (C::kCbSmem) {
     T* s = reinterpret_cast<T*>(pq_smem);
     const T* qh = static_cast<const T*>(a.q) + req * a.q_stride + (int64_t)h0 * D;
-    for (int u = threadIdx.x; u < M * kCentroids; u += kDecodeThreads) {
+    for (int u = threadIdx.x; u < MK * kCentroids; u += kDecodeThreads) {
       const int sub = u / kCentroids, code = u % kCentroids;
-      uint32_t w[C::DW];
-      load_words<C::DW>(cta.kcb + u * C::DS, w);
+      uint32_t w[C::DWK];
+      load_words<C::DWK>(cta.kcb + u * C::DSK, w);
       if constexpr (LUT) {
         const T* cen = reinterpret_cast<const T*>(w);
         float dot = 0.f;
 #pragma unroll
-        for (int i = 0; i < C::DS; ++i) dot += Elem<T>::to_float(qh[sub * C::DS + i]) * Elem<T>::to_float(cen[i]);
+        for (int i = 0; i < C::DSK; ++i) dot += Elem<T>::to_float(qh[sub * C::DSK + i]) * Elem<T>::to_float(cen[i]);
         reinterpret_cast<float*>(pq_smem)[quarter_unit<1, C::MQ>(sub, code)] = dot;
       } else {
-        store_words<C::DW>(s + k_unit<C>(sub, code) * C::DS, w);
+        store_words<C::DWK>(s + k_unit<C>(sub, code) * C::DSK, w);
       }
-      load_words<C::DW>(cta.vcb + u * C::DS, w);
-      store_words<C::DW>(s + kCentroids * D + v_unit<C>(sub, code) * C::DS, w);
+    }
+    for (int u = threadIdx.x; u < MV * kCentroids; u += kDecodeThreads) {
+      const int sub = u / kCentroids, code = u % kCentroids;
+      uint32_t w[C::DWV];
+      load_words<C::DWV>(cta.vcb + u * C::DSV, w);
+      store_words<C::DWV>(s + kCentroids * D + v_unit<C>(sub, code) * C::DSV, w);
     }
     __syncthreads();
   }
@@ -323,14 +331,14 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_kernel(DecodeArgs a)
       const int tv = t0 + 8 * c + 4 * h;
 #pragma unroll
       for (int q = 0; q < C::VSUB; ++q) {
-        uint32_t v[4][C::DW];
+        uint32_t v[4][C::DWV];
 #pragma unroll
         for (int k = 0; k < 4; ++k) cta.template fetch_v<WIN>(cc, h, q, k, tv + k, v[k]);
 #pragma unroll
-        for (int u = 0; u < C::DW; ++u) {
+        for (int u = 0; u < C::DWV; ++u) {
           const uint32_t fa[4] = {__byte_perm(v[0][u], v[1][u], 0x5410), __byte_perm(v[0][u], v[1][u], 0x7632),
                                   __byte_perm(v[2][u], v[3][u], 0x5410), __byte_perm(v[2][u], v[3][u], 0x7632)};
-          mma<T>(o[q * C::DW + u], fa, pb0, pb1);
+          mma<T>(o[q * C::DWV + u], fa, pb0, pb1);
         }
       }
     }
@@ -371,7 +379,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_kernel(DecodeArgs a)
     float* dst = red + (warp * kHeadsPerCta + 2 * c + e) * (D + 2);
 #pragma unroll
     for (int i = 0; i < C::NT; ++i) {
-      const int dim = (8 * (i / C::DW) + r) * C::DS + 2 * (i % C::DW);
+      const int dim = (8 * (i / C::DWV) + r) * C::DSV + 2 * (i % C::DWV);
       dst[dim] = o[i][e];
       dst[dim + 1] = o[i][e + 2];
     }
@@ -399,26 +407,27 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_kernel(DecodeArgs a)
   }
 }
 
-template <typename T, int D, int M, bool LUT>
+template <typename T, int D, int MK, int MV, bool LUT>
 cudaError_t launch_kernel(const DecodeArgs& a, cudaStream_t stream) {
-  using C = DecodeCfg<T, D, M>;
-  static const cudaError_t attr = cudaFuncSetAttribute(
-      decode_kernel<T, D, M, LUT>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
+  using C = DecodeCfg<T, D, MK, MV>;
+  // Set per call, not cached per process: the attribute belongs to the current device.
+  const cudaError_t attr = cudaFuncSetAttribute(
+      decode_kernel<T, D, MK, MV, LUT>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
   if (attr != cudaSuccess) return attr;
   const int group = a.num_heads / a.num_kv_heads;
   dim3 grid(a.num_splits + 1, a.num_kv_heads * ceil_div(group, kHeadsPerCta), a.num_reqs);
-  decode_kernel<T, D, M, LUT><<<grid, kDecodeThreads, C::kSmem, stream>>>(a);
+  decode_kernel<T, D, MK, MV, LUT><<<grid, kDecodeThreads, C::kSmem, stream>>>(a);
   return cudaGetLastError();
 }
 
 // a.lut asks for lookup-table scores; they exist for one query head per KV head with the
 // codebooks in shared memory, else the MMA path runs.
-template <typename T, int D, int M>
+template <typename T, int D, int MK, int MV>
 cudaError_t launch_decode(const DecodeArgs& a, cudaStream_t stream) {
-  if constexpr (DecodeCfg<T, D, M>::kCbSmem) {
-    if (a.lut && a.num_heads == a.num_kv_heads) return launch_kernel<T, D, M, true>(a, stream);
+  if constexpr (DecodeCfg<T, D, MK, MV>::kCbSmem) {
+    if (a.lut && a.num_heads == a.num_kv_heads) return launch_kernel<T, D, MK, MV, true>(a, stream);
   }
-  return launch_kernel<T, D, M, false>(a, stream);
+  return launch_kernel<T, D, MK, MV, false>(a, stream);
 }
 
 }  // namespace pq

@@ -17,7 +17,7 @@ struct PageLayout {
 enum class DType { kFloat16 = 0, kBFloat16 = 1 };
 
 struct Pages {
-  uint8_t* base;         // layer view [blocks][kv_heads][B][2M]
+  uint8_t* base;         // layer view [blocks][kv_heads][B][Mk + Mv]
   int64_t block_stride;  // bytes
   int64_t head_stride;   // bytes
   int block_size;
@@ -30,9 +30,9 @@ struct StoreArgs {
   const void* value;
   int64_t key_stride, value_stride;  // elements between tokens
   const int64_t* slot_mapping;  // [n], -1 = padding
-  const float* k_cb;            // [kv_heads, M, 256, D/M]
-  const float* v_cb;
-  int num_tokens, num_kv_heads, head_dim, m;
+  const float* k_cb;            // [kv_heads, Mk, 256, D/Mk]
+  const float* v_cb;            // [kv_heads, Mv, 256, D/Mv]
+  int num_tokens, num_kv_heads, head_dim, m_k, m_v;
   DType dtype;
 };
 
@@ -45,13 +45,13 @@ struct DecodeArgs {
   const int32_t* block_table;
   int64_t bt_stride;
   const int32_t* seq_lens;  // [R], context length including the query token
-  const void* k_cb;         // [kv_heads, M, 256, D/M] activation dtype
-  const void* v_cb;
+  const void* k_cb;         // [kv_heads, Mk, 256, D/Mk] activation dtype
+  const void* v_cb;         // [kv_heads, Mv, 256, D/Mv]
   const void* win_k;        // [rows, kv_heads, W, D] or null
   const void* win_v;
   const int32_t* rows;      // [R] window row of each request, or null
   int window;
-  int num_reqs, num_heads, num_kv_heads, head_dim, m;
+  int num_reqs, num_heads, num_kv_heads, head_dim, m_k, m_v;
   int num_splits;  // codes splits; one more slot holds the window
   float scale;
   bool lut;       // score through Q.centroid lookup tables where supported (see pq_decode.cuh)

@@ -1,6 +1,7 @@
 // Quantize new K/V rows to their nearest centroids and write the codes into the pages.
 //
-// One CTA per (64 tokens, KV head, K|V). The fp32 codebook is staged in shared memory a
+// One CTA per (64 tokens, KV head, K|V); K and V have their own subspace width DS, so
+// they are one launch when the widths agree and two otherwise. The fp32 codebook is staged in shared memory a
 // group of subspaces at a time; a warp's lanes take 32 tokens of one subspace, so every
 // centroid read is a broadcast. Distances are fp32 sums of squared differences in
 // element order, and the first minimum wins, as in reference.encode.
@@ -16,11 +17,11 @@ constexpr int kStoreTokens = 64;
 constexpr int kStoreSmem = 64 * 1024;
 
 template <typename T, int DS>
-__global__ void __launch_bounds__(kStoreThreads) store_kernel(StoreArgs a) {
+__global__ void __launch_bounds__(kStoreThreads) store_kernel(StoreArgs a, int first_part) {
   extern __shared__ float cb_smem[];  // [group subspaces][256][DS]
   const int head = blockIdx.y;
-  const bool is_v = blockIdx.z == 1;
-  const int m_total = a.m;
+  const bool is_v = first_part + blockIdx.z == 1;  // part 0: K, part 1: V
+  const int m_total = is_v ? a.m_v : a.m_k;
   const int group = kStoreSmem / (kCentroids * DS * (int)sizeof(float));
   const float* cb = (is_v ? a.v_cb : a.k_cb) + (size_t)head * m_total * kCentroids * DS;
   const T* src = static_cast<const T*>(is_v ? a.value : a.key);
@@ -67,33 +68,42 @@ __global__ void __launch_bounds__(kStoreThreads) store_kernel(StoreArgs a) {
   }
 }
 
+// Parts [first_part, first_part + parts) of (K, V), all with subspace width DS.
 template <typename T, int DS>
-cudaError_t launch_store(const StoreArgs& a, cudaStream_t stream) {
+cudaError_t launch_store(const StoreArgs& a, int first_part, int parts, cudaStream_t stream) {
   auto kernel = store_kernel<T, DS>;
+  // Set per call, not once per process: the attribute belongs to the current device.
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kStoreSmem);
   if (err != cudaSuccess) return err;
-  dim3 grid(ceil_div(a.num_tokens, kStoreTokens), a.num_kv_heads, 2);
-  kernel<<<grid, kStoreThreads, kStoreSmem, stream>>>(a);
+  dim3 grid(ceil_div(a.num_tokens, kStoreTokens), a.num_kv_heads, parts);
+  kernel<<<grid, kStoreThreads, kStoreSmem, stream>>>(a, first_part);
   return cudaGetLastError();
 }
 
 template <typename T>
-cudaError_t store_typed(const StoreArgs& a, cudaStream_t stream) {
-  switch (a.head_dim / a.m) {
-    case 2: return launch_store<T, 2>(a, stream);
-    case 4: return launch_store<T, 4>(a, stream);
-    case 8: return launch_store<T, 8>(a, stream);
-    case 16: return launch_store<T, 16>(a, stream);
+cudaError_t store_parts(const StoreArgs& a, int first_part, int parts, int m, cudaStream_t stream) {
+  switch (a.head_dim / m) {
+    case 2: return launch_store<T, 2>(a, first_part, parts, stream);
+    case 4: return launch_store<T, 4>(a, first_part, parts, stream);
+    case 8: return launch_store<T, 8>(a, first_part, parts, stream);
+    case 16: return launch_store<T, 16>(a, first_part, parts, stream);
     default: return cudaErrorInvalidValue;
   }
+}
+
+template <typename T>
+cudaError_t store_typed(const StoreArgs& a, cudaStream_t stream) {
+  if (a.m_k == a.m_v) return store_parts<T>(a, 0, 2, a.m_k, stream);
+  const cudaError_t err = store_parts<T>(a, 0, 1, a.m_k, stream);
+  return err != cudaSuccess ? err : store_parts<T>(a, 1, 1, a.m_v, stream);
 }
 
 }  // namespace
 
 cudaError_t store(const StoreArgs& a, cudaStream_t stream) {
   if (a.num_tokens == 0) return cudaSuccess;
-  if (a.head_dim % a.m) return cudaErrorInvalidValue;
+  if (a.m_k <= 0 || a.m_v <= 0 || a.head_dim % a.m_k || a.head_dim % a.m_v) return cudaErrorInvalidValue;
   return a.dtype == DType::kBFloat16 ? store_typed<__nv_bfloat16>(a, stream)
                                      : store_typed<__half>(a, stream);
 }

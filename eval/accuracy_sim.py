@@ -246,7 +246,7 @@ def main() -> int:
                 books[key].append(val)
         books = {key: None if val[0] is None else torch.stack(val) for key, val in books.items()}
         cal = codebooks.calibration_of(info)
-        score(path, books, info.m, info.m, False, cal, None, bool(cal.get("pinned_bos_sink")))
+        score(path, books, info.m_k, info.m_v, False, cal, None, bool(cal.get("pinned_bos_sink")))
     for bits in a.bits:
         bk, bv = (int(x) for x in bits.split("/"))
         mk, mv = bk * d // 8, bv * d // 8

@@ -72,19 +72,20 @@ def copies_for(nbytes: int) -> int:
     return max(1, min(8, math.ceil(L2_FLUSH / max(nbytes, 1))))
 
 
-def bench_pq(batch, ctx, m, gen, hq=HQ, hkv=HKV, lut=False):
+def bench_pq(batch, ctx, ms, gen, hq=HQ, hkv=HKV, lut=False):
+    """``ms``: (Mk, Mv), K and V subspaces per head."""
     from vllm_pq_backend import ops
     from vllm_pq_backend.layout import PageLayout
 
     assert ops.kernels_available(), "build the CUDA kernels first"
-    lay = PageLayout(PQ_BLOCK, m)
-    code_bytes = batch * ctx * hkv * 2 * m
+    lay = PageLayout(PQ_BLOCK, *ms)
+    code_bytes = batch * ctx * hkv * lay.state_bytes
     n = copies_for(code_bytes)
     tables, blocks = block_table(batch, ctx, PQ_BLOCK, n, gen)
-    cache = torch.randint(0, 256, (blocks, hkv, PQ_BLOCK, 2 * m), dtype=torch.uint8,
+    cache = torch.randint(0, 256, (blocks, hkv, PQ_BLOCK, lay.state_bytes), dtype=torch.uint8,
                           device="cuda", generator=gen)
     bf16 = dict(device="cuda", generator=gen, dtype=torch.bfloat16)
-    cb = [torch.randn(hkv, m, 256, D // m, **bf16) for _ in range(2)]
+    cb = [torch.randn(hkv, m, 256, D // m, **bf16) for m in ms]
     rows = torch.arange(batch, dtype=torch.int32, device="cuda")
     win = [torch.randn(batch, hkv, WINDOW, D, **bf16) for _ in range(2)]
     q = torch.randn(batch, hq, D, **bf16)
@@ -159,19 +160,20 @@ def bench_turboquant(batch, ctx, gen):
 def g_sweep(args, gen) -> list[dict]:
     """MMA vs LUT scores at g = 1, 4, 8 (8 KV heads), FA3 alongside."""
     rows = []
-    print("g context batch  M | mma_us  lut_us  fa3_us | lut/mma  x_fa3(best)")
+    print("g context batch bits | mma_us  lut_us  fa3_us | lut/mma  x_fa3(best)")
     for g in (1, 4, 8):
         for ctx in args.contexts:
             for batch in args.batches:
                 fa = min(bench_fa3(batch, ctx, blk, gen, hq=8 * g, hkv=8)[0] for blk in (16, 128))
-                for m in args.m:
-                    mma, _, splits = bench_pq(batch, ctx, m, gen, hq=8 * g, hkv=8, lut=False)
-                    lut = bench_pq(batch, ctx, m, gen, hq=8 * g, hkv=8, lut=True)[0] if g == 1 else None
+                for bits, ms in args.settings:
+                    mma, _, splits = bench_pq(batch, ctx, ms, gen, hq=8 * g, hkv=8, lut=False)
+                    lut = bench_pq(batch, ctx, ms, gen, hq=8 * g, hkv=8, lut=True)[0] if g == 1 else None
                     best = min(mma, lut or mma)
-                    rows.append(dict(g=g, context=ctx, batch=batch, M=m, mma_us=round(mma, 2),
+                    rows.append(dict(g=g, context=ctx, batch=batch, bits=bits, M_k=ms[0], M_v=ms[1],
+                                     mma_us=round(mma, 2),
                                      lut_us=lut and round(lut, 2), fa3_us=round(fa, 2),
                                      speedup_vs_fa3=round(fa / best, 3), splits=splits))
-                    print(f"{g} {ctx:7d} {batch:5d} {m:3d} | {mma:7.1f} {lut or float('nan'):7.1f} {fa:7.1f} | "
+                    print(f"{g} {ctx:7d} {batch:5d} {bits:>4} | {mma:7.1f} {lut or float('nan'):7.1f} {fa:7.1f} | "
                           f"{(lut or float('nan')) / mma:6.3f} {fa / best:6.2f}", flush=True)
     return rows
 
@@ -180,10 +182,17 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--contexts", type=int, nargs="+")
     p.add_argument("--batches", type=int, nargs="+")
-    p.add_argument("--m", type=int, nargs="+", default=[64, 32])
+    p.add_argument("--bits", nargs="+", default=["4", "2"],
+                   help="CUSTOM settings, bits per element: 4, 2, or K/V as 4/2")
     p.add_argument("--g-sweep", action="store_true", help="MMA vs LUT scores at g = 1, 4, 8")
     p.add_argument("--out", default="eval/results/decode_kernel.json")
     args = p.parse_args()
+    from vllm_pq_backend.layout import subspaces
+
+    args.settings = []
+    for b in args.bits:  # "4/2" -> K 4 bits, V 2 bits
+        bk, _, bv = b.partition("/")
+        args.settings.append((b, (subspaces(D, int(bk)), subspaces(D, int(bv or bk)))))
     if args.contexts is None:
         args.contexts = [4096, 32768] if args.g_sweep else [1024, 4096, 16384, 32768, 65536, 131072]
     if args.batches is None:
@@ -199,18 +208,18 @@ def main() -> int:
     copy_gbs = copy_bandwidth()
     rows = []
     print(f"device {torch.cuda.get_device_name()}, copy {copy_gbs:.0f} GB/s (read+write)", flush=True)
-    print("context batch  M | custom_us  fa3_us(b16/b128)  tq_us | x_fa3 x_tq | custom GB/s (% copy)")
+    print("context batch bits | custom_us  fa3_us(b16/b128)  tq_us | x_fa3 x_tq | custom GB/s (% copy)")
     for ctx in args.contexts:
         for batch in args.batches:
             fa16, fa_bytes = bench_fa3(batch, ctx, 16, gen)
             fa128, _ = bench_fa3(batch, ctx, 128, gen)
             tq, tq_bytes = bench_turboquant(batch, ctx, gen)
-            for m in args.m:
-                us, must, splits = bench_pq(batch, ctx, m, gen)
+            for bits, ms in args.settings:
+                us, must, splits = bench_pq(batch, ctx, ms, gen)
                 fa = min(fa16, fa128)
                 gbs = must / (us * 1e-6) / 1e9
                 rows.append(dict(
-                    context=ctx, batch=batch, M=m, custom_us=round(us, 2), fa3_us=round(fa, 2),
+                    context=ctx, batch=batch, bits=bits, M_k=ms[0], M_v=ms[1], custom_us=round(us, 2), fa3_us=round(fa, 2),
                     fa3_block16_us=round(fa16, 2), fa3_block128_us=round(fa128, 2),
                     turboquant_us=round(tq, 2), speedup_vs_fa3=round(fa / us, 3),
                     speedup_vs_turboquant=round(tq / us, 3), custom_gbs=round(gbs, 1),
@@ -218,7 +227,7 @@ def main() -> int:
                     turboquant_gbs=round(tq_bytes / (tq * 1e-6) / 1e9, 1), copy_gbs=round(copy_gbs, 1),
                     custom_pct_copy=round(100 * gbs / copy_gbs, 1), splits=splits,
                 ))
-                print(f"{ctx:7d} {batch:5d} {m:3d} | {us:9.1f} {fa16:8.1f}/{fa128:<8.1f} {tq:8.1f} | "
+                print(f"{ctx:7d} {batch:5d} {bits:>4} | {us:9.1f} {fa16:8.1f}/{fa128:<8.1f} {tq:8.1f} | "
                       f"{fa / us:5.2f} {tq / us:5.2f} | {gbs:7.0f} ({100 * gbs / copy_gbs:4.1f}%)", flush=True)
         result = dict(stamp, shapes=dict(q_heads=HQ, kv_heads=HKV, head_dim=D, pq_block=PQ_BLOCK,
                       window=WINDOW), copy_gbs=round(copy_gbs, 1), rows=rows)

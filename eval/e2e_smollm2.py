@@ -48,13 +48,14 @@ def load_docs(path, tokenizer, max_len, n_docs):
 def codebook_meta(path):
     """bits, M, method and hash of a codebook file, for the rows it produces."""
     from vllm_pq_backend import codebooks
+    from vllm_pq_backend.layout import bits_of
 
     info = codebooks.read_info(path)
     cal = codebooks.calibration_of(info)
     with open(path, "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()[:16]
-    bits = 8 * info.m // info.head_dim
-    return dict(m_k=info.m, m_v=info.m, bits_k=bits, bits_v=bits, codebook_sha256=digest,
+    return dict(m_k=info.m_k, m_v=info.m_v, bits_k=bits_of(info.head_dim, info.m_k),
+                bits_v=bits_of(info.head_dim, info.m_v), codebook_sha256=digest,
                 codebook_file=os.path.abspath(path),
                 method="plain" if not info.transforms and not cal.get("method") else
                 json.dumps(cal.get("method"), sort_keys=True),

@@ -93,7 +93,7 @@ def main() -> int:
                    amplification_max=amps[-1])
     print(json.dumps(summary))
     with open(a.out, "w") as f:
-        json.dump(dict(provenance("cpu (transformers, bfloat16)"), m=info.m, docs=len(texts), tokens=a.tokens, chunk=a.chunk,
+        json.dump(dict(provenance("cpu (transformers, bfloat16)"), m_k=info.m_k, m_v=info.m_v, docs=len(texts), tokens=a.tokens, chunk=a.chunk,
                        summary=summary, rows=rows), f, indent=1)
     return 0
 

@@ -22,6 +22,11 @@ def bits_label(name: str, head_dim: int) -> str:
     return f"CUSTOM {8 * int(m.group(1)) // head_dim} bits (M={m.group(1)})" if m else name
 
 
+def _bits(row: dict, head_dim: int) -> str:
+    """A kernel row's setting, bits per element ('4', '2', K/V '4/2'); older rows name M."""
+    return row["bits"] if "bits" in row else str(8 * row["M"] // head_dim)
+
+
 def e2e(path="eval/results/e2e_throughput.json", out="eval/results/e2e_throughput.png", head_dim=128):
     rows = json.load(open(path))["rows"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
@@ -47,10 +52,12 @@ def kernel(path="eval/results/decode_kernel.json", out="eval/results/decode_kern
     batches = sorted({r["batch"] for r in rows})
     fig, axes = plt.subplots(1, len(batches), figsize=(4 * len(batches), 3.6), squeeze=False)
     for ax, batch in zip(axes[0], batches):
-        for m in sorted({r["M"] for r in rows}, reverse=True):
-            rs = sorted((r for r in rows if r["batch"] == batch and r["M"] == m), key=lambda r: r["context"])
+        for bits in dict.fromkeys(_bits(r, head_dim) for r in rows):
+            rs = sorted((r for r in rows if r["batch"] == batch and _bits(r, head_dim) == bits),
+                        key=lambda r: r["context"])
+            label = f"CUSTOM {bits} bits" if "/" not in bits else "CUSTOM K{} / V{} bits".format(*bits.split("/"))
             ax.plot([r["context"] for r in rs], [r["speedup_vs_fa3"] for r in rs], marker="o",
-                    label=bits_label(f"CUSTOM M={m}", head_dim))
+                    label=label)
         ax.axhline(1, color="gray", lw=0.8, label="FA3 bf16")
         ax.set(xscale="log", xlabel="context (tokens)", ylabel="speed vs FA3 (x)", title=f"batch {batch}")
         ax.legend(fontsize=7)

@@ -12,12 +12,13 @@ import pytest  # noqa: E402
 from helpers import random_codebooks, write_model_config  # noqa: E402
 
 from vllm_pq_backend.config import default_codebook_path  # noqa: E402
+from vllm_pq_backend.layout import supported_m  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def model_factory(tmp_path_factory):
     """(head_dim, q_heads, kv_heads, transforms) -> a model folder with config.json and
-    random codebooks (with K/V maps if ``transforms``) for M in (d/8, d/4, d/2)."""
+    random codebooks (with K/V maps if ``transforms``) for every supported (Mk, Mv)."""
     made = {}
 
     def make(head_dim=64, q_heads=4, kv_heads=2, transforms=False):
@@ -25,9 +26,9 @@ def model_factory(tmp_path_factory):
         if key not in made:
             d = tmp_path_factory.mktemp(f"model_d{head_dim}_q{q_heads}_kv{kv_heads}")
             write_model_config(str(d), head_dim=head_dim, q_heads=q_heads, kv_heads=kv_heads)
-            for m in (head_dim // 8, head_dim // 4, head_dim // 2):
-                random_codebooks(default_codebook_path(str(d), m), str(d), m, seed=m,
-                                 transforms=transforms)
+            for m, m_v in supported_m(head_dim):
+                random_codebooks(default_codebook_path(str(d), m, m_v), str(d), m, seed=m + m_v,
+                                 transforms=transforms, m_v=m_v)
             made[key] = str(d)
         return made[key]
 

@@ -44,15 +44,17 @@ def hf_config(path):
     return AutoConfig.from_pretrained(path, local_files_only=True)
 
 
-def random_codebooks(path, model_dir, m, seed=0, transforms=False):
-    """Random centroids; with ``transforms``, random well-conditioned K and V maps
-    (rotation x scales in [0.5, 2]), as calibration writes them."""
+def random_codebooks(path, model_dir, m, seed=0, transforms=False, m_v=None):
+    """Random centroids (K with ``m`` subspaces, V with ``m_v``, default ``m``); with
+    ``transforms``, random well-conditioned K and V maps (rotation x scales in [0.5, 2]),
+    as calibration writes them."""
     cfg = hf_config(model_dir)
     d = codebooks.head_dim_of(cfg)
     g = torch.Generator().manual_seed(seed)
+    m_v = m_v or m
     shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, m, NUM_CENTROIDS, d // m)
     k = torch.randn(shape, generator=g)
-    v = torch.randn(shape, generator=g)
+    v = torch.randn(*shape[:2], m_v, NUM_CENTROIDS, d // m_v, generator=g)
     maps = {}
     if transforms:
         for name in ("k_transform", "v_transform"):

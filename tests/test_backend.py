@@ -81,11 +81,11 @@ def test_customize_spec_sizes_pages_from_codebooks(model_factory):
 
     model = model_factory(128, 8, 2)
     dense = FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=128, dtype=torch.bfloat16)
-    for m in (16, 32, 64):
-        with set_current_vllm_config(vllm_config(model, block_size=128, pq={"m": m})):
+    for m, m_v in ((16, 16), (32, 32), (64, 64), (64, 32)):
+        with set_current_vllm_config(vllm_config(model, block_size=128, pq={"m": m, "m_v": m_v})):
             spec = PQAttentionBackend.customize_spec(dense)
-        assert spec.page_size_bytes == 128 * 2 * 2 * m
-        assert dense.page_size_bytes / spec.page_size_bytes == 2 * 128 * 2 / (2 * m)
+        assert spec.page_size_bytes == 128 * 2 * (m + m_v)
+        assert dense.page_size_bytes / spec.page_size_bytes == 2 * 128 * 2 / (m + m_v)
         assert spec.dtype == torch.uint8
 
 
@@ -101,7 +101,12 @@ def test_config_precedence_and_defaults(tmp_path, monkeypatch):
     assert cfg.m == 16 and cfg.resolve_window(128) == 0
     assert cfg.codebook_file(64).endswith("pq/codebooks_m16.safetensors")
     cfg = PQConfig.from_sources({"pq": {"m": 8, "window": 64}}, model)
-    assert cfg.m == 8 and cfg.resolve_window(128) == 64
+    assert cfg.m == 8 and cfg.m_v == 8 and cfg.resolve_window(128) == 64
+    cfg = PQConfig.from_sources({"pq": {"m": 32, "m_v": 16}}, model)  # K 4 / V 2 bits
+    assert cfg.codebook_file(64).endswith("pq/codebooks_m32_v16.safetensors")
+    monkeypatch.delenv("VLLM_PQ_M")
+    with pytest.raises(ValueError, match="m_v needs m"):
+        PQConfig.from_sources({"pq": {"m_v": 16}}, model)
     with pytest.raises(ValueError, match="divides the KV block size"):
         PQConfig.from_sources({"pq": {"window": 48}}, model).resolve_window(128)
     with pytest.raises(ValueError, match="Unknown key"):
@@ -116,13 +121,18 @@ def test_codebook_errors_name_the_mismatch(tmp_path):
     c = write_model_config(str(tmp_path / "c"), head_dim=128, layers=2)
     path = random_codebooks(str(tmp_path / "a.safetensors"), a, 32)
     info = codebooks.read_info(path)
-    codebooks.validate(info, codebooks_cfg(a), 32, a)  # matches
+    codebooks.validate(info, codebooks_cfg(a), 32, 32, a)  # matches
     with pytest.raises(codebooks.CodebookError, match="num_hidden_layers: file 2, model 3"):
-        codebooks.validate(info, codebooks_cfg(b), None, b)
+        codebooks.validate(info, codebooks_cfg(b), None, None, b)
     with pytest.raises(codebooks.CodebookError, match="head_dim: file 64, model 128"):
-        codebooks.validate(info, codebooks_cfg(c), None, c)
+        codebooks.validate(info, codebooks_cfg(c), None, None, c)
     with pytest.raises(codebooks.CodebookError, match="M: file has 32, configuration asks for 16"):
-        codebooks.validate(info, codebooks_cfg(a), 16, a)
+        codebooks.validate(info, codebooks_cfg(a), 16, None, a)
+    with pytest.raises(codebooks.CodebookError, match="Mv: file has 32, configuration asks for 16"):
+        codebooks.validate(info, codebooks_cfg(a), 32, 16, a)
+    odd = random_codebooks(str(tmp_path / "odd.safetensors"), a, 16, m_v=32)  # K 2 / V 4 bits
+    with pytest.raises(codebooks.CodebookError, match="Mk=16, Mv=32 is not a supported setting"):
+        codebooks.validate(codebooks.read_info(odd), codebooks_cfg(a), None, None, a)
     with pytest.raises(codebooks.CodebookError, match="not found.*calibrate"):
         codebooks.read_info(str(tmp_path / "missing.safetensors"))
     bogus = tmp_path / "bogus.safetensors"

@@ -40,8 +40,8 @@ def test_calibrate_writes_valid_codebooks(tmp_path, capsys):
                  "--device", "cpu", "--dtype", "float32"]) == 0
     out = tmp_path / "model" / "pq" / "codebooks_m8.safetensors"
     info = codebooks.read_info(str(out))
-    codebooks.validate(info, hf_config(model), 8, model)
-    assert (info.m, info.head_dim, info.num_layers, info.num_kv_heads) == (8, 32, 2, 2)
+    codebooks.validate(info, hf_config(model), 8, 8, model)
+    assert (info.m_k, info.m_v, info.head_dim, info.num_layers, info.num_kv_heads) == (8, 8, 32, 2, 2)
     with safe_open(str(out), "pt") as f:
         k = f.get_tensor("k_centroids")
         meta = json.loads(f.metadata()["calibration"])
@@ -52,6 +52,25 @@ def test_calibrate_writes_valid_codebooks(tmp_path, capsys):
     assert meta["documents"] == 2 and 500 < meta["tokens"] <= 1500 and len(meta["rel_mse_k"]) == 2
     assert info.transforms == ("k_transform", "v_transform")
     assert "wrote" in capsys.readouterr().out
+
+
+def test_calibrate_k4_v2(tmp_path, capsys):
+    """K at 4 bits and V at 2: each with its own subspaces, in the file the backend picks."""
+    model = tiny_model(tmp_path / "model")
+    (tmp_path / "a.txt").write_text("the lazy dog jumps over the quick brown fox " * 80)
+    assert main(["--model", model, "--text", str(tmp_path / "a.txt"), "--bits-k", "4",
+                 "--bits-v", "2", "--tokens", "1000", "--samples", "600", "--seq-len", "256",
+                 "--niter", "2", "--device", "cpu", "--dtype", "float32"]) == 0
+    out = tmp_path / "model" / "pq" / "codebooks_m16_v8.safetensors"
+    info = codebooks.read_info(str(out))
+    codebooks.validate(info, hf_config(model), 16, 8, model)
+    assert (info.m_k, info.m_v) == (16, 8)
+    with safe_open(str(out), "pt") as f:
+        assert f.get_slice("k_centroids").get_shape() == [2, 2, 16, 256, 2]
+        assert f.get_slice("v_centroids").get_shape() == [2, 2, 8, 256, 4]
+        assert (f.metadata()["bits_k"], f.metadata()["bits_v"]) == ("4", "2")
+    printed = capsys.readouterr().out
+    assert "K 4 / V 2 bits per element" in printed and '"m": 16, "m_v": 8' in printed
 
 
 def test_kmeans_finds_separated_clusters_and_honours_weights():
@@ -119,7 +138,11 @@ def test_calibrate_rejects_bad_inputs_in_one_line(tmp_path, capsys):
     model = tiny_model(tmp_path / "model")
     with pytest.raises(SystemExit) as e:
         main(["--model", model, "--text", str(tmp_path), "--m", "5"])
-    assert e.value.code == 2 and "supports M in [4, 8, 16]" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "head_dim 32 supports 1 bits per element (M=4)" in err, err
+    with pytest.raises(SystemExit) as e:
+        main(["--model", model, "--text", str(tmp_path), "--bits", "2", "--bits-v", "4"])
+    assert e.value.code == 2 and "got Mk=8, Mv=16" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main(["--model", model, "--text", str(tmp_path), "--m", "0"])
     assert e.value.code == 2 and "--m must be a positive integer" in capsys.readouterr().err

@@ -42,31 +42,38 @@ def test_reconstruction_error_falls_as_m_grows():
 
 
 def test_page_byte_offsets():
-    lay = PageLayout(block_size=32, m=4)
+    lay = PageLayout(block_size=32, m_k=4, m_v=4)
     assert lay.state_bytes == 8 and lay.head_bytes == 256
-    assert lay.k_code_offset(5, 2) == 5 * 4 + 2  # K codes [B][M]
-    assert lay.v_code_offset(5, 2) == 32 * 4 + 2 * 32 + 5  # V codes [M][B]
+    assert lay.k_code_offset(5, 2) == 5 * 4 + 2  # K codes [B][Mk]
+    assert lay.v_code_offset(5, 2) == 32 * 4 + 2 * 32 + 5  # V codes [Mv][B]
+    assert lay.kernel_args() == (0, 4, 128, 32)
+    lay = PageLayout(block_size=32, m_k=4, m_v=2)  # V at half K's bits
+    assert lay.state_bytes == 6 and lay.head_bytes == 192
+    assert lay.v_code_offset(5, 1) == 32 * 4 + 1 * 32 + 5
     assert lay.kernel_args() == (0, 4, 128, 32)
 
 
-def test_store_writes_exactly_the_documented_bytes():
-    lay = PageLayout(block_size=32, m=4)
+@pytest.mark.parametrize("m_v", [4, 2])
+def test_store_writes_exactly_the_documented_bytes(m_v):
+    lay = PageLayout(block_size=32, m_k=4, m_v=m_v)
     g = torch.Generator().manual_seed(1)
-    cb = torch.randn(2, 4, 256, 2, generator=g)  # H=2, d=8
+    k_cb = torch.randn(2, 4, 256, 2, generator=g)  # H=2, d=8
+    v_cb = torch.randn(2, m_v, 256, 8 // m_v, generator=g)
     cache = torch.zeros(3, 2, 32, lay.state_bytes, dtype=torch.uint8)
     key = torch.randn(3, 2, 8, generator=g)
     value = torch.randn(3, 2, 8, generator=g)
     slots = torch.tensor([32 + 5, -1, 2 * 32 + 31])  # block 1 token 5; padding; block 2 token 31
-    reference.store(cache, key, value, slots, cb, cb, lay)
-    kc, vc = reference.encode(key, cb), reference.encode(value, cb)
-    flat = cache.flatten(2)  # [blocks, heads, B*2M]
+    reference.store(cache, key, value, slots, k_cb, v_cb, lay)
+    kc, vc = reference.encode(key, k_cb), reference.encode(value, v_cb)
+    flat = cache.flatten(2)  # [blocks, heads, B*(Mk+Mv)]
+    expect = torch.zeros_like(flat)
     for row, (blk, tok) in ((0, (1, 5)), (2, (2, 31))):
         for h in range(2):
             for m in range(4):
-                assert flat[blk, h, lay.k_code_offset(tok, m)] == kc[row, h, m]
-                assert flat[blk, h, lay.v_code_offset(tok, m)] == vc[row, h, m]
-    written = (flat != 0).sum().item()
-    assert written <= 2 * 2 * 4 * 2 and flat[0].eq(0).all()  # block 0 and slot -1 untouched
+                expect[blk, h, lay.k_code_offset(tok, m)] = kc[row, h, m]
+            for m in range(m_v):
+                expect[blk, h, lay.v_code_offset(tok, m)] = vc[row, h, m]
+    assert torch.equal(flat, expect)  # those bytes, and no other (block 0, slot -1 untouched)
 
 
 @pytest.mark.parametrize("w", [0, 16, 32])

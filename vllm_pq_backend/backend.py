@@ -16,27 +16,27 @@ from .layout import BLOCK_ALIGN, PageLayout
 SUPPORTED_HEAD_SIZES = (64, 128, 256)
 
 
-_M_SEEN: dict[int, int] = {}  # head_size -> M, set when the layers are built
+_M_SEEN: dict[int, tuple[int, int]] = {}  # head_size -> (Mk, Mv), set when layers are built
 
 
-def configured_m(head_size: int) -> int:
-    """M of the codebooks this engine will load (the file is the authority).
+def configured_m(head_size: int) -> tuple[int, int]:
+    """(Mk, Mv) of the codebooks this engine will load (the file is the authority).
 
     vLLM asks for the page size (customize_spec) outside its config context; by then the
-    attention layers, built inside it, have recorded M."""
+    attention layers, built inside it, have recorded them."""
     from vllm.config import get_current_vllm_config_or_none
 
     if get_current_vllm_config_or_none() is None and head_size in _M_SEEN:
         return _M_SEEN[head_size]
     cfg = current_pq_config()
     info = codebooks.read_info(cfg.codebook_file(head_size))
-    if cfg.m is not None and cfg.m != info.m:
+    if (cfg.m, cfg.m_v) not in ((None, None), (info.m_k, info.m_v)):
         raise codebooks.CodebookError(
-            f"PQ codebooks {info.path} have M={info.m}, configuration asks for M={cfg.m}. "
-            + codebooks.calibrate_hint(m=cfg.m)
+            f"PQ codebooks {info.path} have Mk={info.m_k}, Mv={info.m_v}; configuration "
+            f"asks for Mk={cfg.m}, Mv={cfg.m_v}. " + codebooks.calibrate_hint(m=cfg.m, m_v=cfg.m_v)
         )
-    _M_SEEN[head_size] = info.m
-    return info.m
+    _M_SEEN[head_size] = (info.m_k, info.m_v)
+    return _M_SEEN[head_size]
 
 
 class PQAttentionBackend(AttentionBackend):
@@ -87,14 +87,14 @@ class PQAttentionBackend(AttentionBackend):
 
     @classmethod
     def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
-        """A page holds only codes: 2M bytes per token and KV head."""
+        """A page holds only codes: Mk + Mv bytes per token and KV head."""
         if spec.state_content_bytes is not None:
             return spec
-        m = configured_m(spec.head_size)
+        m_k, m_v = configured_m(spec.head_size)
         return replace(
             spec,
             dtype=torch.uint8,
-            state_content_bytes=PageLayout(spec.block_size, m).state_bytes,
+            state_content_bytes=PageLayout(spec.block_size, m_k, m_v).state_bytes,
         )
 
     @classmethod

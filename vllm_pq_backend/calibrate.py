@@ -1,6 +1,7 @@
 """Train PQ codebooks for a model from local calibration text.
 
-    python -m vllm_pq_backend.calibrate --model MODEL_DIR --text DOCS_DIR_OR_FILES [--bits 4]
+    python -m vllm_pq_backend.calibrate --model MODEL_DIR --text DOCS_DIR_OR_FILES \
+        [--bits 4] [--bits-v 2]
 
 Runs the model (transformers, offline) over the text and records, per layer and KV head,
 K and V exactly as attention sees them, and how attention uses them: the query second
@@ -39,11 +40,11 @@ from pathlib import Path
 
 import torch
 
-from .codebooks import (codebook_path_hint, fingerprint_fields, head_dim_of, save_codebooks,
-                        supported_bits)
+from .codebooks import (codebook_path_hint, describe_m, fingerprint_fields, head_dim_of,
+                        save_codebooks, supported_m_text)
 from .config import default_codebook_path
 from .kmeans import kmeans
-from .layout import NUM_CENTROIDS, window_start
+from .layout import NUM_CENTROIDS, subspaces, supported_m, window_start
 
 TEXT_SUFFIXES = (".txt", ".rst", ".md", ".jsonl")
 
@@ -352,11 +353,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--text", required=True, nargs="+",
         help="calibration text: files or folders of .txt/.rst/.md, or .jsonl with 'text'",
     )
-    p.add_argument("--bits", type=int, default=4,
-                   help="bits per element of K and V: 4 (default), 2 or 1")
+    p.add_argument("--bits", "--bits-k", dest="bits", type=int, default=4,
+                   help="bits per element of K (and of V unless --bits-v): 4 (default), 2 or 1")
+    p.add_argument("--bits-v", type=int, default=None,
+                   help="bits per element of V when it differs from K's (K 4 / V 2: 3 bits "
+                        "per element on average)")
     p.add_argument("--m", type=int, default=None,
-                   help="subspaces per head instead of --bits (head_dim/2 is 4 bits)")
-    p.add_argument("--out", default=None, help="output file (default MODEL/pq/codebooks_m<M>.safetensors)")
+                   help="K subspaces per head instead of --bits (head_dim/2 is 4 bits)")
+    p.add_argument("--m-v", type=int, default=None,
+                   help="V subspaces per head instead of --bits-v (default: as K)")
+    p.add_argument("--out", default=None,
+                   help="output file (default MODEL/pq/codebooks_m<Mk>[_v<Mv>].safetensors)")
     p.add_argument("--tokens", type=int, default=65536, help="calibration tokens to run (default 65536)")
     p.add_argument("--samples", type=int, default=32768, help="K/V rows kept per layer and head for training (default 32768)")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per forward pass (default 2048)")
@@ -409,7 +416,7 @@ def load_model(path: str, dtype: str, device: str):
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    for name in ("m", "tokens", "samples", "seq_len", "niter"):
+    for name in ("m", "m_v", "bits", "bits_v", "tokens", "samples", "seq_len", "niter"):
         _positive(parser, "--" + name.replace("_", "-"), getattr(args, name))
     if args.window < 0:
         parser.error(f"--window must be >= 0, got {args.window}")
@@ -428,13 +435,14 @@ def _run(args, parser) -> int:
     from transformers import AutoConfig
 
     d = head_dim_of(AutoConfig.from_pretrained(args.model, local_files_only=True))
-    bits = supported_bits(d)
-    m = args.m if args.m is not None else args.bits * d // 8
-    if m not in bits.values():
-        parser.error(f"head_dim {d} supports M in {sorted(bits.values())} "
-                     f"({', '.join(f'{b} bits: M={x}' for b, x in sorted(bits.items()))}); "
-                     f"got {'--m' if args.m else '--bits'} {args.m or args.bits}")
-    out = args.out or default_codebook_path(args.model, m)
+    m = args.m if args.m is not None else subspaces(d, args.bits)
+    if args.m_v is not None:
+        m_v = args.m_v
+    else:
+        m_v = subspaces(d, args.bits_v) if args.bits_v is not None else m
+    if (m, m_v) not in supported_m(d):
+        parser.error(f"head_dim {d} supports {supported_m_text(d)}; got Mk={m}, Mv={m_v}")
+    out = args.out or default_codebook_path(args.model, m, m_v)
     method = Method(niter=args.niter)
     if args.plain:
         method = Method(k_gamma=0, k_rotate=False, v_rotate=False, v_alpha=0, niter=args.niter)
@@ -446,14 +454,14 @@ def _run(args, parser) -> int:
                            args.seed if args.shuffle_docs else None)
     total = sum(map(len, seqs))
     print(f"calibration: {len(docs)} documents, {len(seqs)} sequences, {total} tokens, "
-          f"M={m} ({8 * m // d} bits per element), device {args.device}", flush=True)
+          f"{describe_m(d, m, m_v)}, device {args.device}", flush=True)
     if min(args.samples, total) < 39 * NUM_CENTROIDS:
         print(f"warning: {min(args.samples, total)} samples per head is few for 256 "
               f"centroids; k-means wants at least {39 * NUM_CENTROIDS}", file=sys.stderr)
     stats = capture(model, tok, seqs, min(1.0, args.samples / total), args.seed, args.window,
                     args.device)
     del model
-    books = train(stats, m, m, method, args.seed, args.device)
+    books = train(stats, m, m_v, method, args.seed, args.device)
     samples = int(sum(x.shape[0] for x in stats[0].k))
     save_codebooks(out, books["k"], books["v"], cfg, {
         "model": os.path.abspath(args.model),
@@ -467,9 +475,9 @@ def _run(args, parser) -> int:
     }, k_transform=books["k_transform"], v_transform=books["v_transform"])
     mk, mv = (sum(books[x]) / len(books[x]) for x in ("rel_mse_k", "rel_mse_v"))
     print(f"wrote {out}: {cfg.num_hidden_layers} layers x {books['k'].shape[1]} KV heads, "
-          f"M={m}, {samples} samples per head, mean relative error K {mk:.4f} V {mv:.4f} "
+          f"{describe_m(d, m, m_v)}, {samples} samples per head, mean relative error K {mk:.4f} V {mv:.4f} "
           f"(in the trained metric; {time.time() - t0:.0f} s)")
-    print(codebook_path_hint(out, args.model, m, d))
+    print(codebook_path_hint(out, args.model, m, m_v, d))
     return 0
 
 

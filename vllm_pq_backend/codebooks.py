@@ -1,13 +1,15 @@
 """Codebook files: K and V centroids per layer and KV head, in safetensors.
 
-Tensors ``k_centroids`` and ``v_centroids``: float32 ``[layers, kv_heads, M, 256, head_dim/M]``;
+Tensors ``k_centroids`` float32 ``[layers, kv_heads, Mk, 256, head_dim/Mk]`` and
+``v_centroids`` ``[layers, kv_heads, Mv, 256, head_dim/Mv]`` (K and V may differ in bits);
 optional ``k_transform`` / ``v_transform``: float32 ``[layers, kv_heads, head_dim, head_dim]``.
 With a K transform T the codes are of ``k T`` (and the backend scores ``q T^-T``, so
 q.k is unchanged); with a V transform the codes are of ``v T`` and the attention output is
 mapped back by ``T^-1`` (see calibrate.py for why). Absent means identity.
 Metadata (strings): ``format``, ``fingerprint`` (hash of the model's attention-relevant
-config), ``fingerprint_fields`` (JSON, to say what differs), ``head_dim``, ``m``, ``bits``,
-``k_post_rope``, ``num_layers``, ``num_kv_heads``, ``model``, ``calibration`` (JSON).
+config), ``fingerprint_fields`` (JSON, to say what differs), ``head_dim``, ``m_k``, ``m_v``,
+``bits_k``, ``bits_v`` (per element), ``k_post_rope``, ``num_layers``, ``num_kv_heads``,
+``model``, ``calibration`` (JSON). Formats 1 and 2 had one ``m`` for K and V.
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .config import default_codebook_path
-from .layout import NUM_CENTROIDS
+from .layout import NUM_CENTROIDS, bits_of, supported_m
 
-FORMAT = "vllm_pq_backend/codebooks/2"
-READABLE = ("vllm_pq_backend/codebooks/1", FORMAT)  # 1: no transforms
+FORMAT = "vllm_pq_backend/codebooks/3"
+# 1: no transforms; 1 and 2: one M for K and V
+READABLE = ("vllm_pq_backend/codebooks/1", "vllm_pq_backend/codebooks/2", FORMAT)
 TRANSFORMS = ("k_transform", "v_transform")
 
 
@@ -62,27 +65,37 @@ def fingerprint(fields: dict) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def supported_bits(head_dim: int) -> dict[int, int]:
-    """Bits per element -> M (subspaces per head) that the kernels are built for:
-    8-bit codes over head_dim/M dims give 8M/head_dim bits per element."""
-    return {1: head_dim // 8, 2: head_dim // 4, 4: head_dim // 2}
+def describe_m(head_dim: int, m_k: int, m_v: int) -> str:
+    """'K 4 / V 2 bits per element (Mk=32, Mv=16)', or '4 bits per element (M=32)'."""
+    bk, bv = bits_of(head_dim, m_k), bits_of(head_dim, m_v)
+    if m_k == m_v:
+        return f"{bk} bits per element (M={m_k})"
+    return f"K {bk} / V {bv} bits per element (Mk={m_k}, Mv={m_v})"
 
 
-def codebook_path_hint(path: str, model: str, m: int, head_dim: int) -> str:
+def supported_m_text(head_dim: int) -> str:
+    return "; ".join(describe_m(head_dim, mk, mv) for mk, mv in supported_m(head_dim))
+
+
+def codebook_path_hint(path: str, model: str, m_k: int, m_v: int, head_dim: int) -> str:
     """The command that serves the file just written."""
-    if os.path.abspath(path) != os.path.abspath(default_codebook_path(model, m)):
+    if os.path.abspath(path) != os.path.abspath(default_codebook_path(model, m_k, m_v)):
         extra = f"\"codebooks\": \"{os.path.abspath(path)}\""
+    elif m_k != m_v:
+        extra = f"\"m\": {m_k}, \"m_v\": {m_v}"
     else:
-        extra = "" if m == head_dim // 2 else f"\"m\": {m}"
+        extra = "" if m_k == head_dim // 2 else f"\"m\": {m_k}"
     extra = f" --additional-config '{{\"pq\": {{{extra}}}}}'" if extra else ""
     return f"serve it: vllm serve {model} --attention-backend CUSTOM{extra}"
 
 
-def calibrate_hint(model: str | None = None, m: int | None = None) -> str:
+def calibrate_hint(model: str | None = None, m: int | None = None,
+                   m_v: int | None = None) -> str:
     return (
         "Make matching codebooks with `python -m vllm_pq_backend.calibrate "
         f"--model {model or 'MODEL_DIR'} --text CALIBRATION_TEXT"
         + (f" --m {m}" if m else "")
+        + (f" --m-v {m_v}" if m_v and m_v != m else "")
         + "` (see README)."
     )
 
@@ -94,21 +107,25 @@ class CodebookError(ValueError):
 def save_codebooks(path: str, k: torch.Tensor, v: torch.Tensor, cfg, extra: dict,
                    k_transform: torch.Tensor | None = None,
                    v_transform: torch.Tensor | None = None) -> None:
-    assert k.shape == v.shape and k.dim() == 5 and k.shape[3] == NUM_CENTROIDS
-    layers, heads, m, _, ds = k.shape
+    assert k.dim() == 5 and k.shape[3] == NUM_CENTROIDS, k.shape
+    layers, heads, m_k, _, ds = k.shape
+    d, m_v = m_k * ds, v.shape[2]
+    assert v.shape == (layers, heads, m_v, NUM_CENTROIDS, d // m_v), v.shape
     tensors = {"k_centroids": k.float().contiguous(), "v_centroids": v.float().contiguous()}
     for name, t in zip(TRANSFORMS, (k_transform, v_transform)):
         if t is not None:
-            assert t.shape == (layers, heads, m * ds, m * ds), (name, t.shape)
+            assert t.shape == (layers, heads, d, d), (name, t.shape)
             tensors[name] = t.float().contiguous()
     fields = fingerprint_fields(cfg)
     meta = {
         "format": FORMAT,
         "fingerprint": fingerprint(fields),
         "fingerprint_fields": json.dumps(fields, sort_keys=True),
-        "head_dim": str(m * ds),
-        "m": str(m),
-        "bits": "8",
+        "head_dim": str(d),
+        "m_k": str(m_k),
+        "m_v": str(m_v),
+        "bits_k": str(bits_of(d, m_k)),
+        "bits_v": str(bits_of(d, m_v)),
         "k_post_rope": "true",
         "num_layers": str(layers),
         "num_kv_heads": str(heads),
@@ -122,7 +139,8 @@ def save_codebooks(path: str, k: torch.Tensor, v: torch.Tensor, cfg, extra: dict
 @dataclass(frozen=True)
 class CodebookInfo:
     path: str
-    m: int
+    m_k: int  # K subspaces per head
+    m_v: int
     head_dim: int
     num_layers: int
     num_kv_heads: int
@@ -146,9 +164,11 @@ def read_info(path: str) -> CodebookInfo:
             f"{path} is not a vllm_pq_backend codebook file (format "
             f"{meta.get('format')!r}, expected {FORMAT!r}). " + calibrate_hint()
         )
+    m_k, m_v = (int(meta[k] if k in meta else meta["m"]) for k in ("m_k", "m_v"))
     return CodebookInfo(
         path=path,
-        m=int(meta["m"]),
+        m_k=m_k,
+        m_v=m_v,
         head_dim=int(meta["head_dim"]),
         num_layers=int(meta["num_layers"]),
         num_kv_heads=int(meta["num_kv_heads"]),
@@ -158,14 +178,20 @@ def read_info(path: str) -> CodebookInfo:
     )
 
 
-def validate(info: CodebookInfo, cfg, want_m: int | None, model: str | None) -> None:
-    """One clear error naming every mismatch between the file and the model."""
+def validate(info: CodebookInfo, cfg, want_m: int | None, want_m_v: int | None,
+             model: str | None) -> None:
+    """One clear error naming every mismatch between the file and the model (or the
+    kernels)."""
     fields = fingerprint_fields(cfg)
     problems = []
-    if want_m is not None and want_m != info.m:
-        problems.append(f"M: file has {info.m}, configuration asks for {want_m}")
+    for name, want, have in (("M", want_m, info.m_k), ("Mv", want_m_v, info.m_v)):
+        if want is not None and want != have:
+            problems.append(f"{name}: file has {have}, configuration asks for {want}")
     if info.head_dim != fields["head_dim"]:
         problems.append(f"head_dim: file {info.head_dim}, model {fields['head_dim']}")
+    elif (info.m_k, info.m_v) not in supported_m(info.head_dim):
+        problems.append(f"the file's Mk={info.m_k}, Mv={info.m_v} is not a supported setting "
+                        f"(head_dim {info.head_dim}: {supported_m_text(info.head_dim)})")
     if info.fingerprint != fingerprint(fields):
         diff = [
             f"{k}: file {info.fields.get(k)!r}, model {v!r}"
@@ -178,12 +204,13 @@ def validate(info: CodebookInfo, cfg, want_m: int | None, model: str | None) -> 
             f"PQ codebooks {info.path} do not match this model: "
             + "; ".join(problems)
             + ". "
-            + calibrate_hint(model, want_m)
+            + calibrate_hint(model, want_m, want_m_v)
         )
 
 
 def load_layer(info: CodebookInfo, layer: int, heads: slice) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 K and V centroids of one layer, ``[heads, M, 256, head_dim/M]``."""
+    """float32 K and V centroids of one layer, ``[heads, Mk, 256, head_dim/Mk]`` and
+    ``[heads, Mv, 256, head_dim/Mv]``."""
     if not 0 <= layer < info.num_layers:
         raise CodebookError(f"{info.path} has {info.num_layers} layers, asked for layer {layer}")
     with safe_open(info.path, framework="pt") as f:

@@ -1,13 +1,16 @@
 """How a user points the backend at its codebooks and picks M and the window.
 
 Precedence, highest first:
-  1. ``--additional-config '{"pq": {"codebooks": PATH, "m": 32, "window": 128}}'``
+  1. ``--additional-config '{"pq": {"codebooks": PATH, "m": 32, "m_v": 16, "window": 128}}'``
      (``LLM(..., additional_config={"pq": {...}})``)
-  2. environment: ``VLLM_PQ_CODEBOOKS``, ``VLLM_PQ_M``, ``VLLM_PQ_WINDOW`` (handy for
-     lm-eval, whose ``--model_args`` cannot carry a JSON dict)
-  3. defaults: ``m = head_dim // 2`` (4 bits per element), codebooks at
-     ``<model dir>/pq/codebooks_m<M>.safetensors`` (where ``vllm_pq_backend.calibrate``
-     writes them), window = 128 tokens when the block size allows it.
+  2. environment: ``VLLM_PQ_CODEBOOKS``, ``VLLM_PQ_M``, ``VLLM_PQ_M_V``, ``VLLM_PQ_WINDOW``
+     (handy for lm-eval, whose ``--model_args`` cannot carry a JSON dict)
+  3. defaults: ``m = head_dim // 2`` (4 bits per element), ``m_v = m``, codebooks at
+     ``<model dir>/pq/codebooks_m<M>[_v<Mv>].safetensors`` (where
+     ``vllm_pq_backend.calibrate`` writes them), window = 128 tokens when the block size
+     allows it.
+``m`` is the K subspaces per head (and V's unless ``m_v`` is given); the codebook file is
+the authority, these only select the default file and are checked against it.
 """
 
 from __future__ import annotations
@@ -21,19 +24,22 @@ DEFAULT_WINDOW = 128
 DEFAULT_BLOCK_SIZE = 128
 ENV_CODEBOOKS = "VLLM_PQ_CODEBOOKS"
 ENV_M = "VLLM_PQ_M"
+ENV_M_V = "VLLM_PQ_M_V"
 ENV_WINDOW = "VLLM_PQ_WINDOW"
-_KEYS = {"codebooks", "m", "window"}
+_KEYS = {"codebooks", "m", "m_v", "window"}
 
 
-def default_codebook_path(model_dir: str, m: int) -> str:
+def default_codebook_path(model_dir: str, m_k: int, m_v: int | None = None) -> str:
     # In a subfolder: vLLM loads every top-level *.safetensors of a model as weights.
-    return os.path.join(model_dir, "pq", f"codebooks_m{m}.safetensors")
+    v = "" if m_v in (None, m_k) else f"_v{m_v}"
+    return os.path.join(model_dir, "pq", f"codebooks_m{m_k}{v}.safetensors")
 
 
 @dataclass(frozen=True)
 class PQConfig:
     codebooks: str
-    m: int | None  # None: take it from the codebook file
+    m: int | None  # K subspaces per head; None: take it from the codebook file
+    m_v: int | None  # V subspaces per head; None: m when m is given, else the file's
     window: int | None  # None: the default for the block size
 
     @staticmethod
@@ -54,6 +60,7 @@ class PQConfig:
             return None
 
         m = pick("m", ENV_M, int)
+        m_v = pick("m_v", ENV_M_V, int)
         window = pick("window", ENV_WINDOW, int)
         path = pick("codebooks", ENV_CODEBOOKS, str)
         if path is None:
@@ -66,15 +73,19 @@ class PQConfig:
                     "`python -m vllm_pq_backend.calibrate --model DIR --text FILES`."
                 )
             path = model  # resolved to the default file once head_dim is known
-        if m is not None and m <= 0:
-            raise ValueError(f"pq m must be positive, got {m}")
+        for name, val in (("m", m), ("m_v", m_v)):
+            if val is not None and val <= 0:
+                raise ValueError(f"pq {name} must be positive, got {val}")
+        if m_v is not None and m is None:
+            raise ValueError("pq m_v needs m too (m: K subspaces per head, m_v: V's)")
         if window is not None and window < 0:
             raise ValueError(f"pq window must be >= 0, got {window}")
-        return PQConfig(codebooks=path, m=m, window=window)
+        return PQConfig(codebooks=path, m=m, m_v=m_v if m_v is not None else m, window=window)
 
     def codebook_file(self, head_dim: int) -> str:
         if os.path.isdir(self.codebooks):
-            return default_codebook_path(self.codebooks, self.m or head_dim // 2)
+            m = self.m or head_dim // 2
+            return default_codebook_path(self.codebooks, m, self.m_v or m)
         return self.codebooks
 
     def resolve_window(self, block_size: int) -> int:

@@ -38,7 +38,7 @@ class LayerState:
             "value": tv, "output": None if tv is None else torch.linalg.inv(tv.double()).float(),
         }
         self.maps = {k: None if t is None else t.to(device) for k, t in self.maps.items()}
-        self.layout = PageLayout(impl.block_size, info.m)
+        self.layout = PageLayout(impl.block_size, info.m_k, info.m_v)
         self.window = impl.window
         self.win_k = self.win_v = None
         if self.window > 0:
@@ -52,7 +52,8 @@ class LayerState:
         # The profiling run's peak must include a prefill group's transient pages, so that
         # vLLM leaves room for them when it sizes the KV cache.
         pages = prefill_page_tokens(impl.max_model_len, impl.block_size)
-        self.prefill_scratch = ops.prefill_scratch_bytes(pages, impl.num_kv_heads, self.d, info.m)
+        self.prefill_scratch = ops.prefill_scratch_bytes(pages, impl.num_kv_heads, self.d,
+                                                         self.layout)
         if torch.device(device).type == "cuda":
             torch.empty(self.prefill_scratch, dtype=torch.uint8, device=device)  # freed at once: the peak counts
 
@@ -117,7 +118,8 @@ class PQAttentionImpl(AttentionImpl[PQMetadata]):
         self.cfg: PQConfig = current_pq_config()
         self.codebook_info = codebooks.read_info(self.cfg.codebook_file(head_size))
         codebooks.validate(
-            self.codebook_info, vc.model_config.hf_config, self.cfg.m, vc.model_config.model
+            self.codebook_info, vc.model_config.hf_config, self.cfg.m, self.cfg.m_v,
+            vc.model_config.model,
         )
         configured_m(head_size)  # remembered for vLLM's page sizing
         # vLLM settles the block size after the model is built: read it when first used.
@@ -200,16 +202,17 @@ def _tp_rank_size() -> tuple[int, int]:
 def _log_memory(impl: PQAttentionImpl, st: LayerState) -> None:
     layers = impl.codebook_info.num_layers
     esz = 2  # fp16 / bf16
-    per_token = 2 * impl.num_kv_heads * st.layout.m * layers
+    per_token = impl.num_kv_heads * st.layout.state_bytes * layers
     dense = 2 * impl.num_kv_heads * impl.head_size * esz * layers
     win_seq = 2 * impl.num_kv_heads * st.window * impl.head_size * esz * layers
     books = 2 * st.k_cb32.numel() * (4 + esz) * layers
     logger.info(
-        "vllm_pq_backend: M=%d, block %d, window %d, %d layers. KV pages: %d B/token "
+        "vllm_pq_backend: %s, block %d, window %d, %d layers. KV pages: %d B/token "
         "(dense %s: %d B/token, %.1fx less). Window: %.2f MiB per running sequence, "
         "%.1f MiB for max_num_seqs=%d, allocated before the KV cache is sized. "
         "Codebooks: %.1f MiB. Prefill pages (transient, one layer): %.1f MiB.",
-        st.layout.m, impl.block_size, st.window, layers, per_token, st.k_cb.dtype,
+        codebooks.describe_m(impl.head_size, st.layout.m_k, st.layout.m_v),
+        impl.block_size, st.window, layers, per_token, st.k_cb.dtype,
         dense, dense / per_token, win_seq / 2**20, win_seq * impl.max_num_seqs / 2**20,
         impl.max_num_seqs, books / 2**20, st.prefill_scratch / 2**20,
     )

@@ -1,16 +1,18 @@
 """The product-quantized KV page: the one definition of its bytes and of the window.
 
-Each vLLM block of one layer is viewed by vLLM as ``[num_blocks, num_kv_heads, B, 2M]``
-uint8 (``LBHNC``: a head's ``B * 2M`` bytes are contiguous). Inside one (block, KV head)
-region we lay the bytes out ourselves::
+Each vLLM block of one layer is viewed by vLLM as ``[num_blocks, num_kv_heads, B, Mk+Mv]``
+uint8 (``LBHNC``: a head's ``B * (Mk+Mv)`` bytes are contiguous). Inside one (block, KV
+head) region we lay the bytes out ourselves::
 
-    offset 0        K codes   [B][M]   a token's M codes contiguous (one vector load)
-    offset B*M      V codes   [M][B]   transposed: one subspace's codes of all tokens
-                                       contiguous, so threads owning the output
-                                       dimensions of one subspace stream them
+    offset 0        K codes   [B][Mk]   a token's Mk codes contiguous (one vector load)
+    offset B*Mk     V codes   [Mv][B]   transposed: one subspace's codes of all tokens
+                                        contiguous, so threads owning the output
+                                        dimensions of one subspace stream them
 
-Codes are 8-bit indices into 256 centroids of the subspace's codebook. The CUDA kernels
-receive these numbers (``PageLayout.kernel_args``) rather than restating them.
+Codes are 8-bit indices into 256 centroids of the subspace's codebook, so K costs
+8 Mk / head_dim bits per element and V 8 Mv / head_dim (``SUBSPACES`` lists the pairs the
+kernels are built for). The CUDA kernels receive these numbers (``PageLayout.kernel_args``)
+rather than restating them.
 
 Residual window (full-precision recent tokens)
 -----------------------------------------------
@@ -30,6 +32,25 @@ from dataclasses import dataclass
 
 NUM_CENTROIDS = 256  # 8-bit codes
 BLOCK_ALIGN = 32  # the decode kernel consumes pages in 32-token chunks
+HEAD_DIMS = (64, 128, 256)  # head sizes the kernels are built for
+# (bits per element of K, of V) -> subspaces per head: 8-bit codes over head_dim / M dims
+# are 8 M / head_dim bits per element. csrc/gen_units.py builds a decode kernel for each.
+BIT_RATES = ((1, 1), (2, 2), (4, 4), (4, 2))
+
+
+def subspaces(head_dim: int, bits: int) -> int:
+    return bits * head_dim // 8
+
+
+def bits_of(head_dim: int, m: int) -> float:
+    """Bits per element of 8-bit codes over head_dim / m dims."""
+    b = 8 * m / head_dim
+    return int(b) if b == int(b) else b
+
+
+def supported_m(head_dim: int) -> list[tuple[int, int]]:
+    """(Mk, Mv) pairs the kernels are built for at this head size."""
+    return [(subspaces(head_dim, bk), subspaces(head_dim, bv)) for bk, bv in BIT_RATES]
 
 
 def window_start(pos, window: int):
@@ -42,12 +63,13 @@ def window_start(pos, window: int):
 @dataclass(frozen=True)
 class PageLayout:
     block_size: int
-    m: int  # subspaces per head (bytes of K codes per token, and of V codes)
+    m_k: int  # K subspaces per head: bytes of K codes per token
+    m_v: int  # V subspaces per head
 
     @property
     def state_bytes(self) -> int:
         """Bytes per (token, KV head): vLLM's ``state_content_bytes``."""
-        return 2 * self.m
+        return self.m_k + self.m_v
 
     @property
     def head_bytes(self) -> int:
@@ -59,15 +81,15 @@ class PageLayout:
 
     @property
     def v_offset(self) -> int:
-        return self.block_size * self.m
+        return self.block_size * self.m_k
 
     def k_code_offset(self, token, sub):
         """Byte offset of K code ``sub`` of ``token`` within a (block, head) region."""
-        return self.k_offset + token * self.m + sub
+        return self.k_offset + token * self.m_k + sub
 
     def v_code_offset(self, token, sub):
         return self.v_offset + sub * self.block_size + token
 
     def kernel_args(self) -> tuple[int, int, int, int]:
         """(k_offset, k_token_stride, v_offset, v_sub_stride) for csrc/pq_layout.h."""
-        return (self.k_offset, self.m, self.v_offset, self.block_size)
+        return (self.k_offset, self.m_k, self.v_offset, self.block_size)

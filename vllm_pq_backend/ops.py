@@ -66,13 +66,13 @@ def triton_attn_for(t: torch.Tensor):
     return unified_attention
 
 
-def lut_scores(num_heads: int, num_kv_heads: int, head_dim: int, m: int) -> bool:
+def lut_scores(num_heads: int, num_kv_heads: int, head_dim: int, m_k: int) -> bool:
     """Score keys through Q.centroid lookup tables instead of dequantized K on tensor
     cores: only one query head per KV head can use them; with 4 dims per subspace they
     took 0.93x the MMAs' time at 32K context (0.98-1.07x at 4K), with 2 dims 1.03-1.09x
     (eval/results/decode_g_sweep.json).
     The kernel keeps the MMAs for head_dim 256 (its codebooks stay in global memory)."""
-    return num_heads == num_kv_heads and head_dim // m >= 4
+    return num_heads == num_kv_heads and head_dim // m_k >= 4
 
 
 def num_splits_for(num_decodes: int, ctas_per_split: int, num_sms: int) -> int:
@@ -126,7 +126,7 @@ def decode(out, query, key, value, kv_cache, md, state, scale: float) -> None:
             state.k_cb, state.v_cb,
             state.win_k if w > 0 else empty, state.win_v if w > 0 else empty,
             md.req_rows[:nd] if w > 0 else md.seq_lens.new_empty(0),
-            w, md.num_splits, scale, lut_scores(hq, state.k_cb.shape[0], state.d, state.layout.m),
+            w, md.num_splits, scale, lut_scores(hq, state.k_cb.shape[0], state.d, state.layout.m_k),
             ws_o, ws_lse, *state.layout.kernel_args(),
         )
         return
@@ -145,11 +145,11 @@ def decode(out, query, key, value, kv_cache, md, state, scale: float) -> None:
 def dequant_pages(kv_cache, block_ids, k_cb, v_cb, layout: PageLayout):
     """bf16/fp16 K and V pages ``[n, B, H, d]`` (FlashAttention's paged layout)."""
     n = block_ids.numel()
-    b, m = layout.block_size, layout.m
-    reg = kv_cache.view(torch.uint8).flatten(2)[block_ids.long()]  # [n, H, B*2M]
+    b, mk, mv = layout.block_size, layout.m_k, layout.m_v
+    reg = kv_cache.view(torch.uint8).flatten(2)[block_ids.long()]  # [n, H, B*(Mk+Mv)]
     h = reg.shape[1]
-    kc = reg[..., layout.k_offset : layout.k_offset + b * m].view(n, h, b, m)
-    vc = reg[..., layout.v_offset :].view(n, h, m, b).transpose(2, 3)
+    kc = reg[..., layout.k_offset : layout.k_offset + b * mk].view(n, h, b, mk)
+    vc = reg[..., layout.v_offset :].view(n, h, mv, b).transpose(2, 3)
     k = reference.decode_codes(kc.permute(0, 2, 1, 3), k_cb)  # [n, B, H, d]
     v = reference.decode_codes(vc.permute(0, 2, 1, 3), v_cb)
     return k.contiguous(), v.contiguous()
@@ -190,11 +190,13 @@ def prefill(out, query, key, value, kv_cache, md, state, scale: float) -> None:
             )
 
 
-def prefill_scratch_bytes(page_tokens: int, num_kv_heads: int, head_dim: int, m: int) -> int:
+def prefill_scratch_bytes(page_tokens: int, num_kv_heads: int, head_dim: int,
+                          layout: PageLayout) -> int:
     """Peak transient bytes of one prefill group's dequantized pages (dequant_pages): the
     gathered code bytes, int64 code indices, and K/V in 16 bits before and after the
     layout copy."""
-    per_head = 2 * m + 2 * (8 * m + 2 * 2 * head_dim)
+    codes = layout.m_k + layout.m_v
+    per_head = codes + 8 * codes + 2 * 2 * 2 * head_dim
     return page_tokens * num_kv_heads * per_head
 
 

@@ -1,7 +1,8 @@
 """Plain PyTorch store and attention: the definition the CUDA kernels are tested against.
 
 Runs on CPU and GPU. Shapes: K/V rows ``[tokens, kv_heads, head_dim]``; centroids
-``[kv_heads, M, 256, head_dim/M]`` (float32); the layer's cache ``[blocks, kv_heads, B, 2M]``
+``[kv_heads, M, 256, head_dim/M]`` (float32; K and V each with their own M); the layer's
+cache ``[blocks, kv_heads, B, Mk+Mv]``
 uint8 laid out as ``layout.PageLayout`` says; the window store ``[rows, kv_heads, W, d]``.
 """
 
@@ -40,15 +41,17 @@ def decode_codes(codes: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
 
 def _code_index(kv_cache, slots, layout: PageLayout):
     """The (block, head, byte) advanced indices of the K and V codes of ``slots``, into the
-    cache viewed as ``[blocks, H, B*2M]``: (regions, K index, V index), each ``[n, H, M]``."""
+    cache viewed as ``[blocks, H, B*(Mk+Mv)]``: (regions, K index ``[n, H, Mk]``, V index
+    ``[n, H, Mv]``)."""
     nb, h, b, sb = kv_cache.shape
     regions = kv_cache.view(torch.uint8).reshape(nb, h, b * sb)
     blk = (slots // layout.block_size).long().view(-1, 1, 1)
     tok = (slots % layout.block_size).long().view(-1, 1, 1)
     heads = torch.arange(h, device=kv_cache.device).view(1, h, 1)
-    sub = torch.arange(layout.m, device=kv_cache.device).view(1, 1, -1)
-    return regions, (blk, heads, layout.k_code_offset(tok, sub)), (
-        blk, heads, layout.v_code_offset(tok, sub))
+    sub_k = torch.arange(layout.m_k, device=kv_cache.device).view(1, 1, -1)
+    sub_v = torch.arange(layout.m_v, device=kv_cache.device).view(1, 1, -1)
+    return regions, (blk, heads, layout.k_code_offset(tok, sub_k)), (
+        blk, heads, layout.v_code_offset(tok, sub_v))
 
 
 def store(kv_cache, key, value, slot_mapping, k_cb, v_cb, layout: PageLayout) -> None:
@@ -62,13 +65,13 @@ def store(kv_cache, key, value, slot_mapping, k_cb, v_cb, layout: PageLayout) ->
 
 
 def codes_at(kv_cache, slots, layout: PageLayout):
-    """K and V codes ``[n, H, M]`` stored at ``slots``."""
+    """K and V codes ``[n, H, Mk]``, ``[n, H, Mv]`` stored at ``slots``."""
     regions, k_at, v_at = _code_index(kv_cache, slots, layout)
     return regions[k_at], regions[v_at]
 
 
 def read_codes(kv_cache, blocks, length: int, layout: PageLayout):
-    """K and V codes ``[length, H, M]`` of one sequence whose block-table row is ``blocks``."""
+    """K and V codes ``[length, H, Mk|Mv]`` of one sequence whose block-table row is ``blocks``."""
     pos = torch.arange(length, device=kv_cache.device)
     slots = blocks[pos // layout.block_size].long() * layout.block_size + pos % layout.block_size
     return codes_at(kv_cache, slots, layout)

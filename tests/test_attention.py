@@ -54,6 +54,9 @@ def test_prefill_decode_mixed(model_factory, target, head_dim, q_heads, kv_heads
     m, m_v = (b * head_dim // 8 for b in bits)
     vc = vllm_config(model, block_size=64, pq={"window": window, "m": m, "m_v": m_v})
     sim = make_sim(vc, target, seed=head_dim + window)
+    if transforms:
+        # the output map (condition number up to 4) scales the bf16 rounding of the output
+        sim.tol *= 2
     for rid in range(4):
         sim.add(rid)
     check(sim, sim.step([(0, 70), (1, 5), (2, 130)]), window)  # prefill only

@@ -47,7 +47,7 @@ CONFIGS = {  # name -> (Method, keys quantized before RoPE)
     "v_rotate_mass0.5": (replace(PLAIN, v_rotate=True, v_alpha=0.5), False),
     "pre_rope": (PLAIN, True),
     "pre_rope_v_rotate_mass0.5": (replace(PLAIN, v_rotate=True, v_alpha=0.5), True),
-    "default": (Method(), False),
+    "default": (Method(), False),  # at <= 2 bits of V: calibrate.default_method's v_gamma
     "default_k_g0.25": (replace(Method(), k_gamma=0.25), False),
     "default_k_g0.75": (replace(Method(), k_gamma=0.75), False),
     "default_v_o0.5": (replace(Method(), v_gamma=0.5), False),
@@ -252,6 +252,8 @@ def main() -> int:
         mk, mv = bk * d // 8, bv * d // 8
         for cname in a.configs:
             method, pre = CONFIGS[cname]
+            if cname == "default":  # what calibrate does at these bits
+                method = calibrate.default_method(bv)
             method = replace(method, niter=a.niter)
             t1 = time.time()
             if pre:  # keys before RoPE, RoPE pairs side by side in a subspace

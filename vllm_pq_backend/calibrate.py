@@ -20,7 +20,9 @@ attention mass each token receives from such queries. Then per (layer, KV head):
 * V is weighted by attention mass: a token's value error reaches the output in
   proportion to the attention it gets, so k-means counts each token with weight
   mass^alpha. V gets the same principal-axis rotation (the backend rotates V before
-  the store and the attention output back).
+  the store and the attention output back); at 2 bits and fewer it is first mapped by
+  the o_proj metric G^(1/4) (G = W_o^T W_o of the head's output columns: what a value
+  error costs after the output projection).
 * The first token (BOS, an attention sink) is pinned: exact in every codebook.
 
 k-means runs on the GPU when there is one (vllm_pq_backend/kmeans.py), all subspaces of
@@ -44,7 +46,7 @@ from .codebooks import (codebook_path_hint, describe_m, fingerprint_fields, head
                         save_codebooks, supported_m_text)
 from .config import default_codebook_path
 from .kmeans import kmeans
-from .layout import NUM_CENTROIDS, subspaces, supported_m, window_start
+from .layout import NUM_CENTROIDS, bits_of, subspaces, supported_m, window_start
 
 TEXT_SUFFIXES = (".txt", ".rst", ".md", ".jsonl")
 
@@ -224,10 +226,21 @@ class Method:
     k_gamma: float = 0.5  # exponent of the query metric for K (0: plain L2 on k)
     k_rotate: bool = True  # principal axes of k', balanced over subspaces
     k_alpha: float = 0.0  # K tokens weighted by attention mass ** alpha
-    v_gamma: float = 0.0  # exponent of the o_proj metric for V (0: plain L2 on v)
+    v_gamma: float = 0.0  # exponent of the o_proj metric for V (0: plain L2 on v); see
+    # low_bit_v below for the default at 2 bits and fewer
     v_rotate: bool = True
     v_alpha: float = 0.5  # V tokens weighted by attention mass ** alpha
     niter: int = 25
+
+
+# V at <= 2 bits per element trains in the o_proj metric: in vLLM it took 0.07-0.18 points
+# off every domain's perplexity at K4/V2 and K2/V2 (eval/results/accuracy.json); at 4 bits
+# it measured neutral in simulation (docs/results.md), so 4 bits keeps plain L2 on v.
+LOW_BIT_V_GAMMA = 0.5
+
+
+def default_method(bits_v: float, niter: int = Method.niter) -> Method:
+    return Method(niter=niter, v_gamma=LOW_BIT_V_GAMMA if bits_v <= 2 else 0.0)
 
 
 def _sym_power(a: torch.Tensor, power: float) -> torch.Tensor:
@@ -443,7 +456,7 @@ def _run(args, parser) -> int:
     if (m, m_v) not in supported_m(d):
         parser.error(f"head_dim {d} supports {supported_m_text(d)}; got Mk={m}, Mv={m_v}")
     out = args.out or default_codebook_path(args.model, m, m_v)
-    method = Method(niter=args.niter)
+    method = default_method(bits_of(d, m_v), args.niter)
     if args.plain:
         method = Method(k_gamma=0, k_rotate=False, v_rotate=False, v_alpha=0, niter=args.niter)
     method = replace(method, **_overrides(parser, args.method))

@@ -102,9 +102,9 @@ void store(Tensor kv_cache, const Tensor& key, const Tensor& value, const Tensor
 
 void decode(Tensor out, const Tensor& q, const Tensor& kv_cache, const Tensor& block_table,
             const Tensor& seq_lens, const Tensor& k_cb, const Tensor& v_cb, const Tensor& win_k,
-            const Tensor& win_v, const Tensor& rows, int64_t window, int64_t num_splits,
-            double scale, bool lut, Tensor ws_o, Tensor ws_lse, int64_t k_off, int64_t k_tok,
-            int64_t v_off, int64_t v_sub) {
+            const Tensor& win_v, const Tensor& rows, int64_t window, int64_t sliding_window,
+            int64_t num_splits, double scale, bool lut, Tensor ws_o, Tensor ws_lse, int64_t k_off,
+            int64_t k_tok, int64_t v_off, int64_t v_sub) {
   const at::Device dev = q.device();
   TORCH_CHECK(dev.is_cuda(), "vllm_pq_backend: q must be a CUDA tensor");
   const at::cuda::OptionalCUDAGuard guard(dev);
@@ -149,6 +149,9 @@ void decode(Tensor out, const Tensor& q, const Tensor& kv_cache, const Tensor& b
   a.v_cb = v_cb.data_ptr();
   TORCH_CHECK(window >= 0, "vllm_pq_backend: window must be >= 0, got ", window);
   a.window = static_cast<int>(window);
+  TORCH_CHECK(sliding_window == 0 || sliding_window > window, "vllm_pq_backend: sliding_window ", sliding_window,
+              " must be 0 (none) or larger than the residual window ", window);
+  a.sliding_window = static_cast<int>(sliding_window);
   if (window > 0) {
     check(win_k, "win_k", dev, {-1, kv_heads, window, d});
     check(win_v, "win_v", dev, {win_k.size(0), kv_heads, window, d});
@@ -187,7 +190,7 @@ TORCH_LIBRARY(pq_backend, m) {
   m.def(
       "decode(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
       "Tensor k_cb, Tensor v_cb, Tensor win_k, Tensor win_v, Tensor rows, int window, "
-      "int num_splits, float scale, bool lut, Tensor(b!) ws_o, Tensor(c!) ws_lse, int k_off, int k_tok, "
+      "int sliding_window, int num_splits, float scale, bool lut, Tensor(b!) ws_o, Tensor(c!) ws_lse, int k_off, int k_tok, "
       "int v_off, int v_sub) -> ()");
 }
 

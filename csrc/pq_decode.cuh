@@ -195,17 +195,22 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_kernel(DecodeArgs a)
   const int slots = a.num_splits + 1;
   const bool is_win = slot == a.num_splits;
 
-  // Which keys this CTA reads: codes [0, n_codes) split evenly in 32-token multiples,
-  // or the window [n_codes, L) (layout.window_start of the query at L - 1).
+  // Which keys this CTA reads: codes [lo, n_codes) split evenly in 32-token multiples,
+  // or the window [max(n_codes, lo), L) (layout.window_start of the query at L - 1), where
+  // lo = L - sliding_window on sliding-window layers (else 0). Pages wholly before lo are
+  // never touched: vLLM frees them, and the block table may still name their old blocks.
   const int len = a.seq_lens[req];
   const int n_codes = a.window > 0 ? ((len - 1) / a.window) * a.window : len;
+  const int lo = a.sliding_window > 0 ? max(0, len - a.sliding_window) : 0;
   int t_begin = 0, t_end = 0;
   if (len > 0) {
     if (is_win) {
-      t_begin = n_codes, t_end = len;
-    } else {
-      const int per = ceil_div(ceil_div(n_codes, a.num_splits), kChunk) * kChunk;
-      t_begin = min(slot * per, n_codes), t_end = min(t_begin + per, n_codes);
+      t_begin = max(n_codes, lo), t_end = len;
+    } else if (n_codes > lo) {
+      const int first = (lo / kChunk) * kChunk;  // splits stay 32-token aligned
+      const int per = ceil_div(ceil_div(n_codes - first, a.num_splits), kChunk) * kChunk;
+      t_begin = min(first + slot * per, n_codes), t_end = min(t_begin + per, n_codes);
+      t_begin = max(t_begin, lo);
     }
   }
   float* lse_out = a.ws_lse + ((int64_t)req * a.num_heads + h0) * slots + slot;
@@ -347,7 +352,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_kernel(DecodeArgs a)
   constexpr int stride = kDecodeWarps * kChunk;
   if (is_win) {
     ChunkCodes<C> none;
-    for (int t0 = n_codes + warp * kChunk; t0 < t_end; t0 += stride)
+    for (int t0 = t_begin + warp * kChunk; t0 < t_end; t0 += stride)
       chunk(std::true_type{}, t0, none);
   } else {
     int t0 = (t_begin / kChunk) * kChunk + warp * kChunk;

@@ -51,6 +51,7 @@ struct DecodeArgs {
   const void* win_v;
   const int32_t* rows;      // [R] window row of each request, or null
   int window;
+  int sliding_window;  // > 0: a query at position i reads keys j > i - sliding_window only
   int num_reqs, num_heads, num_kv_heads, head_dim, m_k, m_v;
   int num_splits;  // codes splits; one more slot holds the window
   float scale;

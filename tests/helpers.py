@@ -98,9 +98,12 @@ class Sim:
     builds CommonAttentionMetadata (decodes first), stores K/V, then attends."""
 
     def __init__(self, vc, *, num_blocks=64, layer_index=0, seed=0, dtype=torch.float32,
-                 device="cpu"):
+                 device="cpu", sliding_window=None):
+        """``sliding_window``: the layer's (vLLM's convention, key j > i - sw); blocks wholly
+        before every query's window are then handed over as vLLM does once it freed them:
+        their block-table entries name the null block or blocks of other requests."""
         from vllm.config import set_current_vllm_config
-        from vllm.v1.kv_cache_interface import FullAttentionSpec
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
         from vllm_pq_backend.backend import PQAttentionBackend
 
@@ -113,15 +116,17 @@ class Sim:
         self.seed = seed
         self.dtype = dtype
         self.dev = torch.device(device)
+        self.sw = sliding_window
+        self.stale = np.random.default_rng(seed + 1)
         with set_current_vllm_config(vc):
+            kw = dict(block_size=self.B, num_kv_heads=self.hkv, head_size=self.d,
+                      dtype=torch.bfloat16)
             spec = PQAttentionBackend.customize_spec(
-                FullAttentionSpec(
-                    block_size=self.B, num_kv_heads=self.hkv, head_size=self.d,
-                    dtype=torch.bfloat16,
-                )
+                SlidingWindowSpec(sliding_window=sliding_window, **kw) if sliding_window
+                else FullAttentionSpec(**kw)
             )
             self.impl = PQAttentionBackend.get_impl_cls()(
-                self.hq, self.d, self.d**-0.5, self.hkv
+                self.hq, self.d, self.d**-0.5, self.hkv, sliding_window=sliding_window
             )
             self.builder = PQAttentionBackend.get_builder_cls()(
                 spec, ["layer"], vc, self.dev
@@ -170,6 +175,10 @@ class Sim:
             while len(r.blocks) * self.B < start + n:
                 r.blocks.append(int(self.free_blocks.pop(0)))
             table[i, : len(r.blocks)] = torch.tensor(r.blocks, dtype=torch.int32)
+            if self.sw:  # freed: before the first key any of this step's queries reads
+                freed = max(0, start - self.sw + 1) // self.B
+                table[i, :freed] = torch.from_numpy(
+                    self.stale.integers(0, self.kv_cache.shape[0], freed).astype(np.int32))
             q, k, v = (x[start : start + n] for x in r.source)
             r.q.append(q), r.k.append(k), r.v.append(v)
             q_all.append(q), k_all.append(k), v_all.append(v)
@@ -221,8 +230,9 @@ class Sim:
         outs = []
         for i in range(n):
             exact = (pos >= ws[i]).view(-1, 1, 1)
-            kk = torch.where(exact, k, k_hat)[: i + 1].repeat_interleave(g, 1)
-            vv = torch.where(exact, v, v_hat)[: i + 1].repeat_interleave(g, 1)
+            lo = max(0, i - self.sw + 1) if self.sw else 0
+            kk = torch.where(exact, k, k_hat)[lo : i + 1].repeat_interleave(g, 1)
+            vv = torch.where(exact, v, v_hat)[lo : i + 1].repeat_interleave(g, 1)
             s = torch.einsum("hd,khd->hk", q[i], kk) * self.d**-0.5
             outs.append(torch.einsum("hk,khd->hd", s.softmax(-1), vv))
         return torch.stack(outs)
@@ -232,18 +242,21 @@ def unified_attention_sdpa(q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k, 
                            softmax_scale, causal, window_size, block_table, softcap,
                            q_descale, k_descale, v_descale):
     """vLLM's unified Triton attention (the subset batch-invariant mode uses): paged K/V
-    ``[blocks, B, H, d]``, bottom-right causal."""
-    assert causal and tuple(window_size) == (-1, -1) and softcap == 0 and q_descale is None
+    ``[blocks, B, H, d]``, bottom-right causal, optionally a sliding window ``(sw - 1, 0)``."""
+    assert causal and window_size[1] in (-1, 0) and softcap == 0 and q_descale is None
     assert k_descale.shape == (len(seqused_k), k.shape[2]) and (k_descale == 1).all()
     varlen_sdpa(q, k, v, cu_seqlens_q, max_seqlen_q, softmax_scale, True, max_seqlen_k,
-                seqused_k=seqused_k, block_table=block_table, out=out)
+                seqused_k=seqused_k, block_table=block_table, out=out, window_size=window_size)
 
 
 def varlen_sdpa(q, k, v, cu_seqlens_q, max_seqlen_q, softmax_scale, causal, max_seqlen_k,
                 cu_seqlens_k=None, seqused_k=None, block_table=None, out=None,
-                return_softmax_lse=False, fa_version=None, num_splits=0):
+                return_softmax_lse=False, fa_version=None, num_splits=0, window_size=(-1, -1)):
     """FlashAttention's varlen API (the subset the backend uses) in plain PyTorch:
-    packed or paged K/V, bottom-right causal alignment, LSE ``[H, tokens]``."""
+    packed or paged K/V, bottom-right alignment of queries to keys (for causal and for
+    ``window_size = (left, right)``, -1 unbounded), LSE ``[H, tokens]``; a row without keys
+    gives 0 and LSE -inf, as FlashAttention."""
+    left, right = window_size
     nq, hq, d = q.shape
     g = hq // k.shape[-2]
     o = torch.zeros(nq, hq, d, dtype=torch.float32)
@@ -261,11 +274,17 @@ def varlen_sdpa(q, k, v, cu_seqlens_q, max_seqlen_q, softmax_scale, causal, max_
             continue
         sc = torch.einsum("qhd,khd->hqk", q[a:b].float(), kk.float().repeat_interleave(g, 1))
         sc = sc * softmax_scale
+        qi = torch.arange(b - a).view(-1, 1) + (n - (b - a))  # aligned query positions
+        kj = torch.arange(n).view(1, -1)
         if causal:
-            qi = torch.arange(b - a).view(-1, 1) + (n - (b - a))
-            sc = sc.masked_fill(torch.arange(n).view(1, -1) > qi, float("-inf"))
+            right = 0
+        if right >= 0:
+            sc = sc.masked_fill(kj > qi + right, float("-inf"))
+        if left >= 0:
+            sc = sc.masked_fill(kj < qi - left, float("-inf"))
         lse[:, a:b] = torch.logsumexp(sc, -1)
-        o[a:b] = torch.einsum("hqk,khd->qhd", sc.softmax(-1), vv.float().repeat_interleave(g, 1))
+        p = sc.softmax(-1).nan_to_num(0.0)  # rows without keys: 0
+        o[a:b] = torch.einsum("hqk,khd->qhd", p, vv.float().repeat_interleave(g, 1))
     if out is not None:
         out.copy_(o)
     return (o, lse) if return_softmax_lse else o

@@ -66,6 +66,34 @@ def test_prefill_decode_mixed(model_factory, target, head_dim, q_heads, kv_heads
         check(sim, sim.step([(0, 1), (1, 1), (2, 1), (3, 1)]), window)
 
 
+@pytest.mark.parametrize("block,window,sliding", [(32, 0, 48), (32, 32, 48), (64, 32, 80),
+                                                  (64, 64, 96), (128, 16, 64)])
+def test_sliding_window_layer(model_factory, target, block, window, sliding):
+    """A sliding-window layer (key j > i - sw) with the residual window: prefill, chunked
+    prefill, mixed batches and decode, with keys just inside and outside both windows at
+    every position, and the block-table entries of freed blocks pointing anywhere."""
+    model = model_factory(64, 4, 2)
+    vc = vllm_config(model, block_size=block, pq={"window": window, "m": 16})
+    sim = make_sim(vc, target, seed=block + window + sliding, sliding_window=sliding)
+    for rid in range(4):
+        sim.add(rid)
+    check(sim, sim.step([(0, 150), (1, 5), (2, 70)]), window)
+    check(sim, sim.step([(0, 1), (1, 1), (2, 1)]), window)
+    check(sim, sim.step([(0, 1), (3, 90), (1, 60), (2, 1)]), window)
+    check(sim, sim.step([(3, 45), (2, 33)]), window)
+    for _ in range(sliding // 8 + 3):  # decode past window and page boundaries
+        check(sim, sim.step([(0, 1), (1, 1), (2, 1), (3, 1)]), window)
+
+
+def test_sliding_window_must_exceed_residual_window(model_factory):
+    model = model_factory(64, 4, 2)
+    vc = vllm_config(model, block_size=64, pq={"window": 64, "m": 16})
+    sim = make_sim(vc, "cpu", sliding_window=64)
+    sim.add(0)
+    with pytest.raises(ValueError, match="must be smaller than this model's sliding window 64"):
+        sim.step([(0, 3)])
+
+
 @pytest.mark.parametrize("window", [0, 32, 64])
 def test_chunked_prefill_matches_token_by_token(model_factory, target, window):
     """One semantics whatever the scheduling: a prompt prefilled in one chunk, in uneven
@@ -149,14 +177,16 @@ def test_prefix_hit_reads_shared_blocks_through_codes(model_factory, target):
 
 @pytest.mark.parametrize("grouped,batch_invariant", [(False, False), (True, False),
                                                     (False, True)])
-@pytest.mark.parametrize("window", [0, 32, 64])
-def test_flash_attention_prefill_plan(model_factory, monkeypatch, window, grouped,
+@pytest.mark.parametrize("window,sliding", [(0, None), (32, None), (64, None), (0, 80),
+                                            (32, 80), (32, 48)])
+def test_flash_attention_prefill_plan(model_factory, monkeypatch, window, sliding, grouped,
                                       batch_invariant):
     """The GPU prefill path (FlashAttention over dequantized pages, window segments merged
     by LSE), run here with a PyTorch stand-in for flash_attn_varlen_func; grouped: a page
     budget of one block puts every prefill request in a group of its own; batch_invariant:
     decodes too, through a stand-in for vLLM's unified Triton attention (each window
-    segment a request of its own)."""
+    segment a request of its own); sliding: a sliding-window layer, FlashAttention's window
+    in aligned positions (padded codes rows), freed blocks pointing anywhere."""
     from helpers import unified_attention_sdpa, varlen_sdpa
 
     from vllm_pq_backend import ops
@@ -165,7 +195,7 @@ def test_flash_attention_prefill_plan(model_factory, monkeypatch, window, groupe
     monkeypatch.setattr(ops, "triton_attn_for", lambda t: unified_attention_sdpa)
     model = model_factory(64, 4, 2)
     vc = vllm_config(model, block_size=64, pq={"window": window})
-    sim = Sim(vc, seed=11)
+    sim = Sim(vc, seed=11, sliding_window=sliding)
     sim.tol = TARGETS["cpu"][1]
     if grouped:
         sim.builder.prefill_page_tokens = 64

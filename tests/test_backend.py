@@ -53,7 +53,6 @@ def test_validate_accepts_supported():
         (dict(use_mla=True), "MLA"),
         (dict(attn_type="encoder_only"), "decoder self-attention"),
         (dict(attn_type="encoder_decoder"), "decoder self-attention"),
-        (dict(has_sliding_window=True), "sliding-window"),
         (dict(has_sink=True), "sinks"),
         (dict(head_size=96), "head sizes"),
         (dict(head_size=80), "head sizes"),

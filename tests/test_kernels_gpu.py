@@ -24,7 +24,8 @@ def codebook(heads, m, ds, dtype, gen):
     return (torch.randn(heads, m, 256, ds, generator=gen) * 0.7).to(dtype).to(DEV)
 
 
-def paged_case(lens, *, d, m, g, hkv, block, dtype, window, seed, lut=False, m_v=None):
+def paged_case(lens, *, d, m, g, hkv, block, dtype, window, seed, lut=False, m_v=None,
+               sliding=0):
     gen = torch.Generator().manual_seed(seed)
     m_v = m_v or m
     lay = PageLayout(block, m, m_v)
@@ -35,6 +36,9 @@ def paged_case(lens, *, d, m, g, hkv, block, dtype, window, seed, lut=False, m_v
     for i, n in enumerate(need):
         table[i, :n] = blocks[at : at + n]
         at += n
+        if sliding:  # blocks vLLM freed (wholly before the window) name any block
+            freed = max(0, lens[i] - sliding) // block
+            table[i, :freed] = torch.randint(0, sum(need) + 5, (freed,), generator=gen)
     cache = torch.randint(0, 256, (sum(need) + 5, hkv, block, lay.state_bytes), generator=gen,
                           dtype=torch.uint8)
     rows = torch.randperm(max(8, len(lens)), generator=gen)[: len(lens)].int()
@@ -46,7 +50,7 @@ def paged_case(lens, *, d, m, g, hkv, block, dtype, window, seed, lut=False, m_v
         k_cb=codebook(hkv, m, d // m, dtype, gen), v_cb=codebook(hkv, m_v, d // m_v, dtype, gen),
         win_k=torch.randn(max(8, len(lens)), hkv, w, d, generator=gen).to(DEV, dtype),
         win_v=torch.randn(max(8, len(lens)), hkv, w, d, generator=gen).to(DEV, dtype),
-        window=window, scale=d**-0.5, lut=lut,
+        window=window, sliding=sliding, scale=d**-0.5, lut=lut,
     )
     return case
 
@@ -58,8 +62,8 @@ def run_kernel(c, splits):
     ws_lse = torch.full((r * hq * (splits + 1),), float("nan"), device=DEV)
     torch.ops.pq_backend.decode(
         out, c["q"], c["cache"], c["table"], c["seq"], c["k_cb"], c["v_cb"], c["win_k"],
-        c["win_v"], c["rows"], c["window"], splits, c["scale"], c["lut"], ws_o, ws_lse,
-        *c["lay"].kernel_args(),
+        c["win_v"], c["rows"], c["window"], c["sliding"], splits, c["scale"], c["lut"], ws_o,
+        ws_lse, *c["lay"].kernel_args(),
     )
     return out
 
@@ -72,7 +76,7 @@ def run_reference(c):
     return reference.attention(
         c["q"], key, value, c["cache"], c["k_cb"].float(), c["v_cb"].float(), c["lay"],
         list(range(len(lens) + 1)), lens.tolist(), c["table"], c["scale"], w,
-        c["win_k"], c["win_v"], rows.tolist(),
+        c["win_k"], c["win_v"], rows.tolist(), c["sliding"],
     )
 
 
@@ -121,6 +125,18 @@ def test_decode_gqa_blocks_windows(g, block, window, lut):
     check(c, splits=4, tol=TOL[torch.bfloat16])
 
 
+# Sliding-window layers: only keys j > L - 1 - sw; lengths around the window's edges.
+@pytest.mark.parametrize("lut", [False, True])
+@pytest.mark.parametrize("d,m,m_v,g", [(64, 16, 16, 4), (128, 64, 32, 1), (256, 128, 128, 4)])
+@pytest.mark.parametrize("block,window,sliding", [(32, 0, 48), (32, 32, 33), (128, 128, 512),
+                                                  (128, 16, 300), (64, 64, 4096)])
+def test_decode_sliding_window(d, m, m_v, g, block, window, sliding, lut):
+    lens = [1, 31, 47, 48, 49, 300, 513, 512 + 33, 1500, 5000]
+    c = paged_case(lens, d=d, m=m, m_v=m_v, g=g, hkv=2, block=block, dtype=torch.bfloat16,
+                   window=window, seed=d + block + sliding, lut=lut, sliding=sliding)
+    check(c, splits=5, tol=TOL[torch.bfloat16])
+
+
 @pytest.mark.parametrize("splits", [1, 2, 7, 16])
 def test_decode_any_split_count(splits):
     c = paged_case(MIXED, d=128, m=64, g=4, hkv=2, block=64, dtype=torch.bfloat16, window=64,
@@ -143,8 +159,8 @@ def test_decode_replays_in_a_cuda_graph():
     ws_o = torch.empty(r * hq * 5 * d, device=DEV)
     ws_lse = torch.empty(r * hq * 5, device=DEV)
     args = lambda: (out, c["q"], c["cache"], c["table"], c["seq"], c["k_cb"], c["v_cb"],  # noqa: E731
-                    c["win_k"], c["win_v"], c["rows"], 128, 4, c["scale"], False, ws_o, ws_lse,
-                    *c["lay"].kernel_args())
+                    c["win_k"], c["win_v"], c["rows"], 128, 0, 4, c["scale"], False, ws_o,
+                    ws_lse, *c["lay"].kernel_args())
     torch.ops.pq_backend.decode(*args())  # warm up outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -201,7 +217,7 @@ def _decode_args(c, **over):
     r, hq, d = c["q"].shape
     args = dict(out=torch.empty_like(c["q"]), q=c["q"], cache=c["cache"], table=c["table"],
                 seq=c["seq"], k_cb=c["k_cb"], v_cb=c["v_cb"], win_k=c["win_k"], win_v=c["win_v"],
-                rows=c["rows"], window=c["window"], splits=2, scale=c["scale"], lut=False,
+                rows=c["rows"], window=c["window"], sliding=0, splits=2, scale=c["scale"], lut=False,
                 ws_o=torch.empty(r * hq * 3 * d, device=DEV), ws_lse=torch.empty(r * hq * 3, device=DEV))
     args.update(over)
     return list(args.values()) + list(c["lay"].kernel_args())

@@ -80,6 +80,12 @@ class PQAttentionBackend(AttentionBackend):
         return (KVCacheLayout.LBHNC,)
 
     @classmethod
+    def supports_sliding_window(cls) -> bool:
+        # Codes + residual window like every layer; attention reads only keys inside the
+        # layer's window (decode kernel, prefill, batch-invariant mode).
+        return True
+
+    @classmethod
     def supports_batch_invariance(cls) -> bool:
         # VLLM_BATCH_INVARIANT=1: every query runs the prefill path on vLLM's Triton
         # attention (metadata.PQMetadataBuilder), independent of how the batch is formed.
@@ -122,11 +128,6 @@ class PQAttentionBackend(AttentionBackend):
         if attn_type != AttentionType.DECODER:
             reasons.append(
                 f"{name} supports decoder self-attention only, not {attn_type} attention."
-            )
-        if has_sliding_window:
-            reasons.append(
-                f"{name} does not support sliding-window layers yet; use FLASH_ATTN for "
-                "this model."
             )
         if has_sink:
             reasons.append(f"{name} does not support attention sinks.")

@@ -16,9 +16,7 @@ logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler, see __init__
 
 
 class LayerState:
-    """One layer's codebooks, window store and decode workspace, on the layer's device."""
-
-    _workspaces: dict = {}  # shared by all layers of a process: (device, Hq, d) -> buffers
+    """One layer's codebooks, maps and window store, on the layer's device."""
 
     def __init__(self, layer_index: int, impl: PQAttentionImpl, device, dtype):
         info = impl.codebook_info
@@ -40,6 +38,7 @@ class LayerState:
         self.maps = {k: None if t is None else t.to(device) for k, t in self.maps.items()}
         self.layout = PageLayout(impl.block_size, info.m_k, info.m_v)
         self.window = impl.window
+        self.sliding_window = impl.sliding_window
         self.win_k = self.win_v = None
         if self.window > 0:
             rows = impl.max_num_seqs + 1  # + the scratch row of CUDA-graph padding
@@ -47,8 +46,6 @@ class LayerState:
             self.win_k = torch.zeros(shape, dtype=dtype, device=device)
             self.win_v = torch.zeros(shape, dtype=dtype, device=device)
         self.hq, self.d, self.device = impl.num_heads, impl.head_size, device
-        # Allocated now (the profiling run), never during CUDA graph capture.
-        self.workspace(impl.max_decode_batch, self.hq, ops.MAX_SPLITS + 1)
         # The profiling run's peak must include a prefill group's transient pages, so that
         # vLLM leaves room for them when it sizes the KV cache.
         pages = prefill_page_tokens(impl.max_model_len, impl.block_size)
@@ -66,16 +63,6 @@ class LayerState:
         n, h, d = x.shape
         y = torch.matmul(x.float().view(n, t.shape[0], -1, d), t)  # dense [n, Hkv, g, d]
         return y.view(n, h, d).to(x.dtype)
-
-    def workspace(self, n: int, hq: int, splits: int):
-        """Split results of the decode kernel, shared by all layers of the process."""
-        key = (str(self.device), hq, self.d)
-        o, lse = LayerState._workspaces.get(key, (None, None))
-        if o is None or o.numel() < n * hq * splits * self.d:
-            o = torch.empty(n * hq * splits * self.d, dtype=torch.float32, device=self.device)
-            lse = torch.empty(n * hq * splits, dtype=torch.float32, device=self.device)
-            LayerState._workspaces[key] = (o, lse)
-        return o[: n * hq * splits * self.d], lse[: n * hq * splits]
 
 
 class PQAttentionImpl(AttentionImpl[PQMetadata]):
@@ -97,7 +84,6 @@ class PQAttentionImpl(AttentionImpl[PQMetadata]):
     ) -> None:
         unsupported = {
             "ALiBi": alibi_slopes is not None,
-            "sliding-window attention": sliding_window is not None,
             "logits soft-capping": bool(logits_soft_cap),
             f"attention type {attn_type}": attn_type != AttentionType.DECODER,
             "cross-layer KV sharing": kv_sharing_target_layer_name is not None,
@@ -111,6 +97,8 @@ class PQAttentionImpl(AttentionImpl[PQMetadata]):
         self.scale = float(scale)
         self.num_kv_heads = num_kv_heads or num_heads
         self.kv_cache_dtype = kv_cache_dtype
+        # vLLM's convention: query i reads keys j > i - sliding_window (0: every key)
+        self.sliding_window = int(sliding_window or 0)
 
         from vllm.config import get_current_vllm_config
 
@@ -126,9 +114,6 @@ class PQAttentionImpl(AttentionImpl[PQMetadata]):
         self._cache_config = vc.cache_config
         self.max_num_seqs = vc.scheduler_config.max_num_seqs
         self.max_model_len = vc.model_config.max_model_len
-        # CUDA graphs pad decode batches up to a capture size, which can pass max_num_seqs
-        sizes = vc.compilation_config.cudagraph_capture_sizes or []
-        self.max_decode_batch = max([self.max_num_seqs, *sizes])
         self.tp_rank, self.tp_size = _tp_rank_size()
         self._state: LayerState | None = None
 
@@ -145,6 +130,12 @@ class PQAttentionImpl(AttentionImpl[PQMetadata]):
             index = extract_layer_index(layer.layer_name)
             self.block_size = self._cache_config.block_size
             self.window = self.cfg.resolve_window(self.block_size)
+            if self.sliding_window and self.window >= self.sliding_window:
+                raise ValueError(
+                    f"pq window {self.window} must be smaller than this model's sliding "
+                    f"window {self.sliding_window}; set e.g. --additional-config "
+                    f"'{{\"pq\": {{\"window\": {min(128, self.sliding_window // 2)}}}}}'."
+                )
             self._state = LayerState(index, self, like.device, like.dtype)
             if index == 0:
                 _log_memory(self, self._state)

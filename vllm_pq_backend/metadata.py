@@ -59,8 +59,10 @@ class PrefillPlan:
     fp_src: torch.Tensor | None = None  # keys: index into [chunk rows ; store entries]
     store_rows: torch.Tensor | None = None
     store_slots: torch.Tensor | None = None
-    code_rows: torch.Tensor | None = None
+    code_rows: torch.Tensor | None = None  # query rows of the codes part (padded, see below)
+    code_real: torch.Tensor | None = None  # sliding window: which code_rows are real rows
     code_cu_q: torch.Tensor | None = None
+    code_max_q: int = 0
     code_len: torch.Tensor | None = None
     code_req: torch.Tensor | None = None
     # batch-invariant mode, window > 0: each segment a request of its own whose last page is
@@ -97,6 +99,10 @@ class PQMetadata(AttentionMetadata):
     num_splits: int
     prefills: list[PrefillPlan]
     batch_invariant: bool = False  # VLLM_BATCH_INVARIANT=1, see PQMetadataBuilder
+    # the decode kernel's split results (fp32), the builder's: one per engine and KV cache
+    # group, allocated before CUDA graph capture and never reallocated
+    ws_o: torch.Tensor | None = None
+    ws_lse: torch.Tensor | None = None
 
 
 def _i32(x, device):
@@ -116,7 +122,11 @@ def plan_prefill(
     rows: list[int] | None,
     device,
     batch_invariant: bool = False,
+    pad_codes: bool = False,
 ) -> PrefillPlan:
+    """``pad_codes`` (sliding-window layers): each segment's codes-part rows run on to the
+    segment's end with copies of its last row, so that every real row is exactly ``window``
+    after the position FlashAttention aligns it to (ops._prefill_fa)."""
     starts = (qsl - qsl[0]).astype(np.int64)
     q_lens = np.diff(starts)
     lens = seq_lens.astype(np.int64)
@@ -139,7 +149,7 @@ def plan_prefill(
         return plan
     total_q = int(starts[-1])
     seg_q, seg_k, fp_src, st_rows, st_slots = [0], [0], [], [], []
-    code_rows, code_q, code_len, code_req = [], [0], [], []
+    code_rows, code_real, code_q, code_len, code_req = [], [], [0], [], []
     seg_page, fp_dst, seg_end = [], [], []
     win_tok, win_rows, win_pos = [], [], []
     for i in range(n):
@@ -154,8 +164,11 @@ def plan_prefill(
             fp_src.extend(range(tok0 + max(0, g0 - first), tok0 + e - first))
             seg_k.append(seg_k[-1] + e - g0)
             if g0 > 0:
+                code_real.extend(range(len(code_rows), len(code_rows) + e - a))
                 code_rows.extend(range(tok0 + a - first, tok0 + e - first))
-                code_q.append(code_q[-1] + e - a)
+                pad = g0 + window - e if pad_codes else 0
+                code_rows.extend([tok0 + e - 1 - first] * pad)
+                code_q.append(code_q[-1] + e - a + pad)
                 code_len.append(g0)
                 code_req.append(i)
             if batch_invariant:
@@ -170,6 +183,8 @@ def plan_prefill(
     i32 = dict(seg_cu_q=seg_q, seg_cu_k=seg_k, code_cu_q=code_q, code_len=code_len)
     i64 = dict(fp_src=fp_src, store_rows=st_rows, store_slots=st_slots, code_rows=code_rows,
                code_req=code_req, win_tokens=win_tok, win_rows=win_rows, win_pos=win_pos)
+    if pad_codes:
+        i64.update(code_real=code_real)
     if batch_invariant:
         pages = np.asarray(seg_page, dtype=np.int64)
         table = pages_of[pages // nb]  # a copy: the request's pages, its segment's page
@@ -181,12 +196,13 @@ def plan_prefill(
     for name, x in i64.items():
         setattr(plan, name, _i64(x, device))
     plan.seg_max_q = int(np.diff(seg_q).max())
+    plan.code_max_q = int(np.diff(code_q).max()) if len(code_q) > 1 else 0
     plan.seg_max_k = int(np.diff(seg_k).max())
     return plan
 
 
 def plan_prefills(qsl, seq_lens, block_table, block_size, window, rows, device, page_tokens,
-                  batch_invariant=False):
+                  batch_invariant=False, pad_codes=False):
     """Prefill requests split into consecutive groups whose dequantized pages (padded to
     the group's longest history) stay within ``page_tokens``; one plan per group."""
     plans, i, n = [], 0, len(seq_lens)
@@ -197,7 +213,8 @@ def plan_prefills(qsl, seq_lens, block_table, block_size, window, rows, device, 
             widest = max(widest, blocks[j])
             j += 1
         p = plan_prefill(qsl[i : j + 1], seq_lens[i:j], block_table[i:j], block_size, window,
-                         rows[i:j] if rows is not None else None, device, batch_invariant)
+                         rows[i:j] if rows is not None else None, device, batch_invariant,
+                         pad_codes)
         p.tok_start, p.tok_end = int(qsl[i] - qsl[0]), int(qsl[j] - qsl[0])
         p.req_start, p.req_end = i, j
         plans.append(p)
@@ -238,6 +255,9 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
         cfg = PQConfig.from_sources(vllm_config.additional_config, model)
         self.block_size = kv_cache_spec.block_size
         self.window = cfg.resolve_window(self.block_size)
+        # A sliding-window group (or, without vLLM's hybrid KV cache manager, one group of
+        # all layers whose spec carries the window): its layers need padded codes rows.
+        self.sliding = getattr(kv_cache_spec, "sliding_window", None) is not None
         sched = vllm_config.scheduler_config
         # Rows of CUDA-graph padding requests point at the store's scratch row
         # (max_num_seqs), so their window writes never touch a live request's rows.
@@ -260,6 +280,15 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
         )
         group = max(1, q_heads // kv_heads)
         self.ctas_per_split = kv_heads * -(-group // MAX_QUERY_HEADS_PER_CTA)
+        self.ws_o = self.ws_lse = None
+        if dev.type == "cuda":
+            # CUDA graphs pad decode batches up to a capture size, which can pass max_num_seqs
+            sizes = vllm_config.compilation_config.cudagraph_capture_sizes or []
+            slots = ops.workspace_slots(max([sched.max_num_seqs, *sizes]),
+                                        self.ctas_per_split, self.num_sms, q_heads)
+            self.ws_o = torch.empty(slots * kv_cache_spec.head_size, dtype=torch.float32,
+                                    device=dev)
+            self.ws_lse = torch.empty(slots, dtype=torch.float32, device=dev)
         self.batch_invariant = bool(envs.VLLM_BATCH_INVARIANT)
         if self.batch_invariant:
             logger.info(
@@ -308,6 +337,7 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
                 self.device,
                 self.prefill_page_tokens,
                 self.batch_invariant,
+                self.sliding,
             )
         return PQMetadata(
             num_reqs=n,
@@ -326,4 +356,6 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
             num_splits=ops.num_splits_for(nd, self.ctas_per_split, self.num_sms),
             prefills=prefills,
             batch_invariant=self.batch_invariant,
+            ws_o=self.ws_o,
+            ws_lse=self.ws_lse,
         )

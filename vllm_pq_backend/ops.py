@@ -75,6 +75,14 @@ def lut_scores(num_heads: int, num_kv_heads: int, head_dim: int, m_k: int) -> bo
     return num_heads == num_kv_heads and head_dim // m_k >= 4
 
 
+def workspace_slots(max_decodes: int, ctas_per_split: int, num_sms: int, q_heads: int) -> int:
+    """Split-result slots (per head dim) the decode kernel needs at most for up to
+    ``max_decodes`` requests: n * q_heads * (splits(n) + 1), largest over n (splits fall as
+    batches grow, so this is far below max_decodes * (MAX_SPLITS + 1))."""
+    return max(n * q_heads * (num_splits_for(n, ctas_per_split, num_sms) + 1)
+               for n in range(1, max_decodes + 1))
+
+
 def num_splits_for(num_decodes: int, ctas_per_split: int, num_sms: int) -> int:
     """Codes splits per (request, KV head group), from the batch alone (so a CUDA graph
     captured for a batch size is right for any context; empty splits exit early).
@@ -119,14 +127,16 @@ def decode(out, query, key, value, kv_cache, md, state, scale: float) -> None:
         reference.window_write(state.win_k, state.win_v, key[:nd], value[:nd], rows, pos, w)
     if use_kernels(query):
         hq = query.shape[1]
-        ws_o, ws_lse = state.workspace(nd, hq, md.num_splits + 1)
+        slots = nd * hq * (md.num_splits + 1)
+        ws_o, ws_lse = md.ws_o[: slots * state.d], md.ws_lse[:slots]
         empty = query.new_empty(0)
         torch.ops.pq_backend.decode(
             out[:nd], query[:nd], kv_cache, md.block_table[:nd], md.seq_lens[:nd],
             state.k_cb, state.v_cb,
             state.win_k if w > 0 else empty, state.win_v if w > 0 else empty,
             md.req_rows[:nd] if w > 0 else md.seq_lens.new_empty(0),
-            w, md.num_splits, scale, lut_scores(hq, state.k_cb.shape[0], state.d, state.layout.m_k),
+            w, state.sliding_window, md.num_splits, scale,
+            lut_scores(hq, state.k_cb.shape[0], state.d, state.layout.m_k),
             ws_o, ws_lse, *state.layout.kernel_args(),
         )
         return
@@ -135,6 +145,7 @@ def decode(out, query, key, value, kv_cache, md, state, scale: float) -> None:
         state.layout, md.query_start_loc_cpu[: nd + 1].tolist(),
         md.seq_lens_cpu[:nd].tolist(), md.block_table[:nd], scale, w,
         state.win_k, state.win_v, md.req_rows_cpu[:nd] if w > 0 else None,
+        state.sliding_window,
     )
     out[:nd] = res.to(out.dtype)
 
@@ -178,7 +189,7 @@ def prefill(out, query, key, value, kv_cache, md, state, scale: float) -> None:
             res = reference.attention(
                 q, k, v, kv_cache, state.k_cb32, state.v_cb32, state.layout,
                 p.query_start_loc_cpu, p.seq_lens_cpu, table, scale, state.window,
-                state.win_k, state.win_v, p.rows_cpu,
+                state.win_k, state.win_v, p.rows_cpu, state.sliding_window,
             )
             out[rows] = res.to(out.dtype)
         else:
@@ -208,18 +219,28 @@ def _segment_keys(p, k, v, state):
     return src_k[p.fp_src], src_v[p.fp_src]
 
 
+def _causal_window(state) -> tuple[int, int]:
+    """FlashAttention / Triton ``window_size`` of a causal call: ``(sw - 1, 0)`` on
+    sliding-window layers (key j > i - sw), none otherwise."""
+    sw = state.sliding_window
+    return (sw - 1, 0) if sw > 0 else (-1, -1)
+
+
 def _prefill_fa(fa, p, out, q, k, v, kv_cache, state, scale) -> None:
     varlen, fa_version = fa
+    # Pages of a sliding-window layer older than its window may be freed (stale block
+    # ids): dequantizing them reads other blocks' codes, which the window then masks.
     kp, vp = dequant_pages(kv_cache, p.block_ids, state.k_cb, state.v_cb, state.layout)
     version = fa_version(head_size=q.shape[-1])
     if p.seg_cu_q is None:  # window 0: one causal call over the pages
         varlen(
             q=q, k=kp, v=vp, out=out, cu_seqlens_q=p.cu_q, max_seqlen_q=p.max_q,
             seqused_k=p.seq_lens, max_seqlen_k=p.max_k, softmax_scale=scale, causal=True,
-            block_table=p.page_table, fa_version=version,
+            block_table=p.page_table, window_size=_causal_window(state), fa_version=version,
         )
         return
-    # Segment part: each segment attends causally to its own tokens at full precision.
+    # Segment part: each segment attends causally to its own tokens at full precision
+    # (all within W < sliding window of each other).
     seg_k, seg_v = _segment_keys(p, k, v, state)
     o_fp, lse_fp = varlen(
         q=q, k=seg_k, v=seg_v, cu_seqlens_q=p.seg_cu_q, max_seqlen_q=p.seg_max_q,
@@ -229,14 +250,23 @@ def _prefill_fa(fa, p, out, q, k, v, kv_cache, state, scale) -> None:
     if p.code_rows.numel() == 0:
         out.copy_(o_fp)
         return
-    # Codes part: every query of a segment sees all keys before the segment start.
+    # Codes part: every query of a segment sees all keys before the segment start. On a
+    # sliding-window layer query i sees keys j > i - sw only: FlashAttention aligns query
+    # rows to the keys' end, so the plan pads each segment's rows to a whole window
+    # (p.code_real marks the real ones) and every row sits exactly W after its aligned
+    # position; (sw - 1 - W, unbounded) is then the window in absolute positions.
+    sw = state.sliding_window
+    rows = p.code_rows if p.code_real is None else p.code_rows[p.code_real]
     o_c, lse_c = varlen(
-        q=q[p.code_rows], k=kp, v=vp, cu_seqlens_q=p.code_cu_q, max_seqlen_q=p.seg_max_q,
+        q=q[p.code_rows], k=kp, v=vp, cu_seqlens_q=p.code_cu_q, max_seqlen_q=p.code_max_q,
         seqused_k=p.code_len, max_seqlen_k=p.max_k, softmax_scale=scale, causal=False,
+        window_size=(sw - 1 - state.window, -1) if sw > 0 else (-1, -1),
         block_table=p.page_table[p.code_req], return_softmax_lse=True, fa_version=version,
     )
+    if p.code_real is not None:
+        o_c, lse_c = o_c[p.code_real], lse_c[:, p.code_real]
     out.copy_(o_fp)
-    out[p.code_rows] = _merge(o_fp[p.code_rows], lse_fp[:, p.code_rows], o_c, lse_c).to(out.dtype)
+    out[rows] = _merge(o_fp[rows], lse_fp[:, rows], o_c, lse_c).to(out.dtype)
 
 
 def _prefill_batch_invariant(attn, p, out, q, k, v, kv_cache, state, scale) -> None:
@@ -257,6 +287,6 @@ def _prefill_batch_invariant(attn, p, out, q, k, v, kv_cache, state, scale) -> N
     one = torch.ones(1, dtype=torch.float32, device=q.device).expand(used.numel(), kp.shape[2])
     attn(
         q=q, k=kp, v=vp, out=out, cu_seqlens_q=cu_q, max_seqlen_q=max_q, seqused_k=used,
-        max_seqlen_k=p.max_k, softmax_scale=scale, causal=True, window_size=(-1, -1),
+        max_seqlen_k=p.max_k, softmax_scale=scale, causal=True, window_size=_causal_window(state),
         block_table=table, softcap=0, q_descale=None, k_descale=one, v_descale=one,
     )

@@ -102,9 +102,12 @@ def attention(
     win_k: torch.Tensor | None = None,  # window store, read for positions before this step
     win_v: torch.Tensor | None = None,
     rows: list[int] | None = None,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
     """Causal attention where key ``j`` is read at full precision by query ``i`` iff
-    ``j >= window_start(i, window)``, and through its codes otherwise."""
+    ``j >= window_start(i, window)``, and through its codes otherwise; with
+    ``sliding_window > 0`` query ``i`` reads keys ``j > i - sliding_window`` only (vLLM's
+    convention), the rest of the history (freed pages) is never looked at."""
     n, hq, d = query.shape
     hkv = key.shape[1]
     g = hq // hkv
@@ -132,6 +135,8 @@ def attention(
                 v_fp[lo:first] = win_v[rows[r]][:, slots].float().transpose(0, 1)
         kpos = torch.arange(total, device=dev)
         causal = kpos.view(1, -1) <= qpos.view(-1, 1)  # [q, total]
+        if sliding_window > 0:
+            causal &= kpos.view(1, -1) > qpos.view(-1, 1) - sliding_window
         exact = causal & (kpos.view(1, -1) >= ws.view(-1, 1))
         q = query[qs:qe].float().view(-1, hkv, g, d)
         s_code = torch.einsum("qhgd,khd->hgqk", q, k_hat) * scale

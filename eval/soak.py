@@ -1,0 +1,210 @@
+"""Serving soak: `vllm serve` on loopback under a mixed, adversarial load, for each backend.
+
+    python eval/soak.py --model eval/data/smollm2 --backends CUSTOM FLASH_ATTN --minutes 10
+
+For each backend: start the server; record GPU memory; take the greedy output of each
+reference prompt sent alone; then for --minutes keep --clients concurrent clients busy
+with prompts of mixed lengths up to max_model_len, streaming and non-streaming, a share
+cancelled by the client mid-stream (or by a short timeout), a few malformed requests
+(expecting HTTP 400), and the reference prompts again (greedy, compared token text to
+the alone outputs); afterwards check /health and GPU memory again. Writes
+eval/results/soak.json: errors (anything other than the deliberate cancellations and the
+expected 400s), whether the server exited, memory before/after, the share of reference
+outputs identical to alone, request counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+import urllib.request
+
+from provenance import provenance  # eval/ is the script's directory
+
+REFERENCE = [f"Write a short note about {t}." for t in (
+    "the water cycle", "binary search", "the French revolution", "photosynthesis",
+    "hash tables", "the moon landing", "compilers", "volcanoes", "TCP handshakes",
+    "the printing press", "prime numbers", "glaciers", "the Roman road network", "recursion",
+    "coral reefs", "public-key cryptography")]
+WORDS = ("the of and to in is was for on that with as by at from it an be this which or "
+         "kernel memory page cache token model request server client stream").split()
+
+
+def gpu_memory_mib() -> int:
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, check=True).stdout
+    return int(out.split()[0])
+
+
+def wait_healthy(port: int, proc, timeout: float) -> bool:
+    end = time.time() + timeout
+    while time.time() < end:
+        if proc.poll() is not None:
+            return False
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return True
+        except OSError:
+            pass
+        time.sleep(1)
+    return False
+
+
+async def complete(session, url, model, prompt, max_tokens, stream, temperature=0.0,
+                   cancel_after=None, timeout=None):
+    """(status, text, note): note is 'cancelled' when the client gave up on purpose."""
+    import aiohttp
+
+    body = dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature,
+                stream=stream)
+    try:
+        async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+            if r.status != 200:
+                return r.status, await r.text(), None
+            if not stream:
+                return 200, (await r.json())["choices"][0]["text"], None
+            text, chunks = [], 0
+            async for line in r.content:
+                line = line.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                text.append(json.loads(line[5:])["choices"][0]["text"])
+                chunks += 1
+                if cancel_after is not None and chunks >= cancel_after:
+                    return 200, "".join(text), "cancelled"  # leaving the block closes it
+            return 200, "".join(text), None
+    except asyncio.TimeoutError:
+        return None, "", "cancelled" if timeout else "timeout"
+    except Exception as e:  # noqa: BLE001  (recorded as an error)
+        return None, f"{type(e).__name__}: {e}", None
+
+
+async def load(args, port, alone, deadline) -> dict:
+    import aiohttp
+
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    stats = dict(requests=0, ok=0, cancelled=0, bad_rejected=0, errors=[], reference=0,
+                 reference_identical=0)
+    rng = random.Random(0)
+
+    async def client(i):
+        async with aiohttp.ClientSession() as s:
+            while time.time() < deadline:
+                kind = rng.random()
+                stats["requests"] += 1
+                if kind < 0.03:  # malformed: must be refused with 400, not crash anything
+                    bad = rng.choice([dict(max_tokens=-5), dict(max_tokens=10 ** 9),
+                                      dict(prompt=" ".join(WORDS) * 2000)])
+                    body = dict(dict(model=args.model, prompt="hello", max_tokens=8), **bad)
+                    async with s.post(url, json=body) as r:
+                        if r.status == 400:
+                            stats["bad_rejected"] += 1
+                        else:
+                            stats["errors"].append(f"malformed request answered {r.status}")
+                    continue
+                if kind < 0.25:  # a reference prompt: greedy, compared to alone
+                    j = rng.randrange(len(REFERENCE))
+                    st, text, note = await complete(s, url, args.model, REFERENCE[j], args.ref_tokens,
+                                                    stream=rng.random() < 0.5)
+                    if st == 200:
+                        stats["reference"] += 1
+                        stats["reference_identical"] += text == alone[j]
+                    else:
+                        stats["errors"].append(f"reference: {st} {text[:200]}")
+                    continue
+                n = rng.randint(16, args.max_model_len - 64) if rng.random() < 0.3 else rng.randint(16, 512)
+                prompt = " ".join(rng.choice(WORDS) for _ in range(n))  # about a token a word
+                stream = rng.random() < 0.5
+                cancel = rng.randint(1, 16) if stream and rng.random() < 0.2 else None
+                timeout = 0.5 if not stream and rng.random() < 0.05 else None
+                st, text, note = await complete(s, url, args.model, prompt, rng.randint(1, 48), stream,
+                                                temperature=rng.choice([0.0, 0.8]),
+                                                cancel_after=cancel, timeout=timeout)
+                if note == "cancelled":
+                    stats["cancelled"] += 1
+                elif st == 200:
+                    stats["ok"] += 1
+                elif st == 400 and n > args.max_model_len // 2 and "length" in text:
+                    stats["bad_rejected"] += 1  # the words came to more tokens than fit
+                else:
+                    stats["errors"].append(f"{st} {text[:200]}")
+
+    await asyncio.gather(*(client(i) for i in range(args.clients)))
+    return stats
+
+
+async def alone_outputs(args, port) -> list[str]:
+    import aiohttp
+
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    out = []
+    async with aiohttp.ClientSession() as s:
+        for p in REFERENCE:
+            st, text, _ = await complete(s, url, args.model, p, args.ref_tokens, stream=False)
+            if st != 200:
+                raise RuntimeError(f"reference prompt alone failed: {st} {text[:300]}")
+            out.append(text)
+    return out
+
+
+def soak(args, backend: str, port: int) -> dict:
+    log = open(os.path.join(os.path.dirname(args.out) or ".", f"soak_{backend}.log"), "w")
+    cmd = ["vllm", "serve", args.model, "--attention-backend", backend, "--port", str(port),
+           "--max-model-len", str(args.max_model_len), "--gpu-memory-utilization", "0.5",
+           *args.serve_args]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    row = dict(backend=backend, command=" ".join(cmd))
+    try:
+        if not wait_healthy(port, proc, 600):
+            return dict(row, error="server did not become healthy", exited=proc.poll())
+        alone = asyncio.run(alone_outputs(args, port))
+        row["gpu_mib_before"] = gpu_memory_mib()
+        start = time.time()
+        stats = asyncio.run(load(args, port, alone, start + 60 * args.minutes))
+        row["seconds"] = round(time.time() - start, 1)
+        row["healthy_after"] = wait_healthy(port, proc, 30)
+        row["gpu_mib_after"] = gpu_memory_mib()
+        row["server_exited"] = proc.poll() is not None
+        row.update(stats, errors_count=len(stats["errors"]), errors=stats["errors"][:50],
+                   reference_identical_share=round(stats["reference_identical"] / max(1, stats["reference"]), 4))
+        return row
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--backends", nargs="+", default=["CUSTOM", "FLASH_ATTN"])
+    p.add_argument("--minutes", type=float, default=10)
+    p.add_argument("--clients", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--ref-tokens", type=int, default=48)
+    p.add_argument("--port", type=int, default=8190)
+    p.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[],
+                   help="passed to vllm serve (last on the command line)")
+    p.add_argument("--out", default="eval/results/soak.json")
+    args = p.parse_args()
+    rows = []
+    for i, backend in enumerate(args.backends):
+        rows.append(soak(args, backend, args.port + i))
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "errors"}), flush=True)
+        with open(args.out, "w") as f:
+            json.dump(dict(provenance(), model=args.model, minutes=args.minutes, clients=args.clients,
+                           max_model_len=args.max_model_len, rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

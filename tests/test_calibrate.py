@@ -178,3 +178,31 @@ def test_prepare_names_what_is_missing_in_one_line(tmp_path):
                         "--gguf-dir", str(tmp_path)], capture_output=True, text=True)
     assert r.returncode == 1
     assert r.stderr.strip().splitlines() == [f"prepare.py: no .gguf file in {tmp_path}"]
+
+
+def test_capture_reproduces_sliding_window_attention():
+    """The capture stands in for the model's attention during calibration: on a tiny Gemma 3
+    (one sliding-window layer, window 8, one full layer) its forward equals the eager one,
+    so the statistics come from the model as it really runs."""
+    from transformers import AttentionInterface, Gemma3ForCausalLM, Gemma3TextConfig
+
+    from vllm_pq_backend.calibrate import KVCapture
+
+    cfg = Gemma3TextConfig(vocab_size=300, hidden_size=64, intermediate_size=128,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=64, sliding_window=8, query_pre_attn_scalar=64,
+                           layer_types=["sliding_attention", "full_attention"],
+                           attn_implementation="eager")
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(cfg).eval()
+    ids = torch.randint(3, 300, (1, 40))
+    with torch.no_grad():
+        want = model(ids).logits
+        cap = KVCapture(2, keep_fraction=0.5, seed=0, window=16)
+        AttentionInterface.register(KVCapture.NAME, cap)
+        model.config._attn_implementation = KVCapture.NAME
+        cap.new_sequence(40)
+        got = model(ids).logits
+    err = (got - want).abs().amax() / want.abs().amax()
+    assert err < 1e-4, err
+    assert all(len(st.k) == 1 for st in cap.layers)  # both layers recorded

@@ -152,7 +152,13 @@ class KVCapture:
         self.rope = rope
         self.sink_pass = sink_pass
 
-    def __call__(self, module, query, key, value, attention_mask, scaling=None, **kwargs):
+    def __call__(self, module, query, key, value, attention_mask, scaling=None,
+                 sliding_window=None, softcap=None, **kwargs):
+        """The layer's attention (causal, its sliding window if any, as transformers and
+        vLLM: key j > i - sliding_window), recording the statistics on the way."""
+        if softcap:
+            raise CalibrationError("attention logit soft-capping is not supported by the "
+                                   "CUSTOM backend (nor by its calibration)")
         st = self.layers[module.layer_idx]
         hq, hkv, t, d = query.shape[1], key.shape[1], key.shape[2], key.shape[-1]
         g = hq // hkv
@@ -161,6 +167,8 @@ class KVCapture:
         scale = scaling if scaling is not None else d**-0.5
         pos = torch.arange(t, device=q.device)
         causal = pos.view(1, -1) <= pos.view(-1, 1)
+        if sliding_window:
+            causal &= pos.view(1, -1) > pos.view(-1, 1) - sliding_window
         p = (q @ kr.transpose(1, 2) * scale).masked_fill(~causal, float("-inf")).softmax(-1)
         out = (p @ vr).transpose(0, 1)[None].to(query.dtype)  # [1, T, Hq, d]
         if self.sink_pass:
@@ -227,7 +235,7 @@ class Method:
     k_rotate: bool = True  # principal axes of k', balanced over subspaces
     k_alpha: float = 0.0  # K tokens weighted by attention mass ** alpha
     v_gamma: float = 0.0  # exponent of the o_proj metric for V (0: plain L2 on v); see
-    # low_bit_v below for the default at 2 bits and fewer
+    # default_method for the default at 2 bits and fewer
     v_rotate: bool = True
     v_alpha: float = 0.5  # V tokens weighted by attention mass ** alpha
     niter: int = 25

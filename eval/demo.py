@@ -129,6 +129,9 @@ def main() -> int:
         cap = "" if r is base else f" ({r['capacity'] / base['capacity']:.1f}x)"
         print(f"{name:18} {r['ppl']:8.3f}{rel:>8} {r['capacity']:>14,}{cap:>8} {r['tok_s']:14,.0f}")
     print(f"demo: done in {time.time() - t0:.0f} s")
+    from provenance import provenance  # eval/ is the script's directory
+
+    print("provenance:", json.dumps(dict(provenance(), bits=a.bits, codebooks=str(books))))
     return 0
 
 

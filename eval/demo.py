@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import math
 import os
@@ -131,7 +132,9 @@ def main() -> int:
     print(f"demo: done in {time.time() - t0:.0f} s")
     from provenance import provenance  # eval/ is the script's directory
 
-    print("provenance:", json.dumps(dict(provenance(), bits=a.bits, codebooks=str(books))))
+    digest = hashlib.sha256(books.read_bytes()).hexdigest()[:16]
+    print("provenance:", json.dumps(dict(provenance(), bits=a.bits, codebooks=str(books),
+                                         codebook_sha256=digest)))
     return 0
 
 

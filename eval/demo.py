@@ -17,7 +17,6 @@ import argparse
 import gc
 import hashlib
 import json
-import math
 import os
 import subprocess
 import sys
@@ -48,6 +47,7 @@ def stdlib_text(out: Path) -> tuple[Path, Path]:
 def run(backend: str, model: Path, books: Path | None, docs, prompts, gen: int,
         eager: bool) -> dict:
     import torch
+    from e2e_smollm2 import prompt_perplexity  # eval/ is the script's directory
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -56,12 +56,7 @@ def run(backend: str, model: Path, books: Path | None, docs, prompts, gen: int,
         kw["additional_config"] = {"pq": {"codebooks": str(books)}}
     llm = LLM(model=str(model), max_model_len=2304, enforce_eager=eager, seed=0,
               gpu_memory_utilization=0.5, max_num_seqs=len(prompts), **kw)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=d) for d in docs],
-                        SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-    nll = count = 0
-    for d, o in zip(docs, outs):
-        for tok, lp in zip(d[1:], o.prompt_logprobs[1:]):
-            nll, count = nll - lp[tok].logprob, count + 1
+    ppl, count = prompt_perplexity(llm, docs)
     params = SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True)
     batch = [TokensPrompt(prompt_token_ids=p) for p in prompts]
     llm.generate(batch, SamplingParams(max_tokens=1), use_tqdm=False)  # prefill cached
@@ -69,7 +64,7 @@ def run(backend: str, model: Path, books: Path | None, docs, prompts, gen: int,
     llm.generate(batch, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     cc = llm.llm_engine.vllm_config.cache_config
-    res = dict(ppl=math.exp(nll / count), tokens=count, capacity=cc.num_gpu_blocks * cc.block_size,
+    res = dict(ppl=ppl, tokens=count, capacity=cc.num_gpu_blocks * cc.block_size,
                tok_s=len(prompts) * gen / seconds)
     del llm
     gc.collect()

@@ -63,6 +63,21 @@ def codebook_meta(path):
                 calib_text=cal.get("texts"), calib_tokens=cal.get("tokens"))
 
 
+def prompt_perplexity(llm, docs) -> tuple[float, int]:
+    """(token perplexity, scored tokens) of token-id documents through vLLM's prefill."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    outs = llm.generate([TokensPrompt(prompt_token_ids=d) for d in docs],
+                        SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    nll, count = 0.0, 0
+    for d, o in zip(docs, outs):
+        for tok, lp in zip(d[1:], o.prompt_logprobs[1:]):
+            nll -= lp[tok].logprob
+            count += 1
+    return math.exp(nll / count), count
+
+
 def run_engine(kw, args, domains, prompts):
     import torch
     from vllm import LLM, SamplingParams
@@ -73,16 +88,7 @@ def run_engine(kw, args, domains, prompts):
               gpu_memory_utilization=args.gpu_memory_utilization,
               max_num_seqs=args.max_num_seqs, **kw)
     cc = llm.llm_engine.vllm_config.cache_config
-    ppl = {}
-    for name, docs in domains.items():
-        outs = llm.generate([TokensPrompt(prompt_token_ids=d) for d in docs],
-                            SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-        nll, count = 0.0, 0
-        for d, o in zip(docs, outs):
-            for tok, lp in zip(d[1:], o.prompt_logprobs[1:]):
-                nll -= lp[tok].logprob
-                count += 1
-        ppl[name] = (math.exp(nll / count), count)
+    ppl = {name: prompt_perplexity(llm, docs) for name, docs in domains.items()}
     greedy = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                           SamplingParams(max_tokens=args.gen_tokens, temperature=0.0), use_tqdm=False)
     res = dict(kv_cache_tokens=cc.num_gpu_blocks * cc.block_size, block_size=cc.block_size,

@@ -133,8 +133,8 @@ void decode(Tensor out, const Tensor& q, const Tensor& kv_cache, const Tensor& b
   check_dtype(ws_o, "ws_o", at::kFloat);
   check_dtype(ws_lse, "ws_lse", at::kFloat);
   TORCH_CHECK(ws_o.device() == dev && ws_lse.device() == dev && ws_o.is_contiguous() && ws_lse.is_contiguous() &&
-                  ws_o.numel() >= reqs * heads * (num_splits + 1) * d &&
-                  ws_lse.numel() >= reqs * heads * (num_splits + 1),
+                  ws_o.numel() >= reqs * heads * num_splits * d &&
+                  ws_lse.numel() >= reqs * heads * num_splits,
               "vllm_pq_backend: decode workspace too small or not on ", dev);
   pq::DecodeArgs a{};
   a.pages = pages_of(kv_cache, dev, kv_heads, m_k, m_v, k_off, k_tok, v_off, v_sub);

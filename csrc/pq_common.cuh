@@ -102,6 +102,14 @@ __device__ __forceinline__ void store_words(void* p, const uint32_t (&w)[N]) {
   *static_cast<Words<N>*>(p) = v;
 }
 
+// Asynchronous 16-byte global -> shared copy (L2 only: codebooks are read once per CTA).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 }  // namespace pq

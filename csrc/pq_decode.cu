@@ -16,11 +16,12 @@ namespace {
 // out[req, head] = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max), skipping empty splits.
 template <typename T>
 __global__ void reduce_kernel(DecodeArgs a) {
-  const int req = blockIdx.x, head = blockIdx.y, slots = a.num_splits + 1, d = a.head_dim;
+  const int req = blockIdx.x, head = blockIdx.y, slots = a.num_splits, d = a.head_dim;
   const int64_t base = ((int64_t)req * a.num_heads + head) * slots;
   const float* lse = a.ws_lse + base;
   float mx = -CUDART_INF_F;
-  for (int s = 0; s < slots; ++s) mx = fmaxf(mx, lse[s]);
+  bool nan = false;  // a split that read a NaN-marked key (layout.py) makes the output NaN
+  for (int s = 0; s < slots; ++s) mx = fmaxf(mx, lse[s]), nan = nan || isnan(lse[s]);
   T* out = static_cast<T*>(a.out) + req * a.out_stride + (int64_t)head * d;
   for (int dim = threadIdx.x; dim < d; dim += blockDim.x) {
     float num = 0.f, den = 0.f;
@@ -32,7 +33,7 @@ __global__ void reduce_kernel(DecodeArgs a) {
         den += w;
       }
     }
-    out[dim] = Elem<T>::from_float(den > 0.f ? num / den : 0.f);
+    out[dim] = Elem<T>::from_float(nan ? CUDART_NAN_F : den > 0.f ? num / den : 0.f);
   }
 }
 

@@ -19,8 +19,8 @@
 // * Output dims are permuted back at the end: tile (q, u) rows r / r+8 are dims
 //   (8q + r) * D/M + 2u + {0, 1}.
 // Scores go through exp2 with scale*log2(e); partial results are normalized with their
-// log2-sum-exp and merged by reduce_kernel. The window slot (index num_splits) reads the
-// full-precision window store instead of codes.
+// log2-sum-exp and merged by reduce_kernel. The last split also reads the full-precision
+// window store (its own CTAs would each reserve the codebooks' shared memory for nothing).
 #pragma once
 
 #include <math_constants.h>
@@ -31,8 +31,6 @@
 
 namespace pq {
 
-constexpr int kDecodeWarps = 8;
-constexpr int kDecodeThreads = 32 * kDecodeWarps;
 constexpr int kChunk = 32;
 constexpr int kHeadsPerCta = 8;
 constexpr float kLog2e = 1.4426950408889634f;
@@ -50,9 +48,11 @@ struct DecodeCfg {
   static constexpr int DWV = DSV / 2; // words per V centroid
   static constexpr int NT = D / 16;   // m16 tiles of output dims
   static constexpr bool kCbSmem = D <= 128;
+  static constexpr int kWarps = 8;
+  static constexpr int kThreads = 32 * kWarps;
   static constexpr bool kPrefetch = D <= 128;
   static constexpr int kCbBytes = 2 * kCentroids * D * (int)sizeof(T);
-  static constexpr int kRedBytes = kDecodeWarps * kHeadsPerCta * (D + 2) * (int)sizeof(float);
+  static constexpr int kRedBytes = kWarps * kHeadsPerCta * (D + 2) * (int)sizeof(float);
   static constexpr int kSmem = (kCbSmem && kCbBytes > kRedBytes) ? kCbBytes : kRedBytes;
   static_assert(DSK >= 2 && DSK <= 8 && DSV >= 2 && DSV <= 8 && D % 16 == 0 && MK % 8 == 0 &&
                 MV % 8 == 0, "unsupported D/M");
@@ -153,16 +153,51 @@ struct DecodeCta {
     }
   }
 
-  // V of token `pos` in owned subspace q (dims (8q + r) * DS ..).
+  // V of token `pos` in owned subspace q (dims (8q + r) * DS ..): byte k of `codes`, or
+  // its window row; zero for a window position that does not count (`valid`), whose row
+  // may hold anything.
   template <bool WIN>
-  __device__ void fetch_v(const ChunkCodes<C>& cc, int h, int q, int k, int pos, uint32_t (&w)[C::DWV]) const {
+  __device__ void fetch_v(uint32_t codes, int q, int k, int pos, bool valid, uint32_t (&w)[C::DWV]) const {
     const int s = 8 * q + r;
     if constexpr (WIN) {
-      load_words<C::DWV>(wv + (int64_t)win_slot(pos) * D + s * C::DSV, w);
+      if (valid) {
+        load_words<C::DWV>(wv + (int64_t)win_slot(pos) * D + s * C::DSV, w);
+      } else {
+#pragma unroll
+        for (int u = 0; u < C::DWV; ++u) w[u] = 0u;
+      }
     } else {
-      const int code = (cc.v[h][q] >> (8 * k)) & 0xff;
+      const int code = (codes >> (8 * k)) & 0xff;
       load_words<C::DWV>(v_book() + (C::kCbSmem ? v_unit<C>(s, code) : s * kCentroids + code) * C::DSV, w);
     }
+  }
+
+  // The codebooks into shared memory in the lookup layouts. A 16-byte piece of the global
+  // [sub][code][DS] array is whole centroids of one subspace that k_unit / v_unit keep
+  // contiguous and 16-byte aligned, so every piece is one asynchronous copy, all in flight
+  // at once (the caller waits). With LUT the K part is the Q.centroid table instead.
+  template <bool LUT>
+  __device__ void load_books(const T* qh) const {
+    T* s = reinterpret_cast<T*>(pq_smem);
+    if constexpr (LUT) {
+      for (int u = threadIdx.x; u < MK * kCentroids; u += C::kThreads) {
+        const int sub = u / kCentroids, code = u % kCentroids;
+        uint32_t w[C::DWK];
+        load_words<C::DWK>(kcb + u * C::DSK, w);
+        const T* cen = reinterpret_cast<const T*>(w);
+        float dot = 0.f;
+#pragma unroll
+        for (int i = 0; i < C::DSK; ++i) dot += Elem<T>::to_float(qh[sub * C::DSK + i]) * Elem<T>::to_float(cen[i]);
+        reinterpret_cast<float*>(pq_smem)[quarter_unit<1, C::MQ>(sub, code)] = dot;
+      }
+    } else {
+      constexpr int per = 16 / (2 * C::DSK);  // centroids per piece
+      for (int u = threadIdx.x * per; u < MK * kCentroids; u += C::kThreads * per)
+        cp_async16(s + k_unit<C>(u / kCentroids, u % kCentroids) * C::DSK, kcb + u * C::DSK);
+    }
+    constexpr int per = 16 / (2 * C::DSV);
+    for (int u = threadIdx.x * per; u < MV * kCentroids; u += C::kThreads * per)
+      cp_async16(s + kCentroids * D + v_unit<C>(u / kCentroids, u % kCentroids) * C::DSV, vcb + u * C::DSV);
   }
 
   __device__ const T* k_book() const {
@@ -181,7 +216,7 @@ struct DecodeCta {
 };
 
 template <typename T, int D, int MK, int MV, bool LUT>
-__global__ void __launch_bounds__(kDecodeThreads, 1) decode_kernel(DecodeArgs a) {
+__global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_kernel(DecodeArgs a) {
   using C = DecodeCfg<T, D, MK, MV>;
   static_assert(!LUT || C::kCbSmem, "the LUT takes the shared-memory codebook's place");
   const int group = a.num_heads / a.num_kv_heads;
@@ -192,29 +227,29 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_kernel(DecodeArgs a)
   const int nh = min(kHeadsPerCta, group - hg * kHeadsPerCta);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int r = lane >> 2, c = lane & 3;
-  const int slots = a.num_splits + 1;
-  const bool is_win = slot == a.num_splits;
+  const int slots = a.num_splits;
 
   // Which keys this CTA reads: codes [lo, n_codes) split evenly in 32-token multiples,
-  // or the window [max(n_codes, lo), L) (layout.window_start of the query at L - 1), where
-  // lo = L - sliding_window on sliding-window layers (else 0). Pages wholly before lo are
-  // never touched: vLLM frees them, and the block table may still name their old blocks.
+  // and in the last split also the window [max(n_codes, lo), L) (layout.window_start of
+  // the query at L - 1), where lo = L - sliding_window on sliding-window layers (else 0).
+  // Pages wholly before lo are never touched: vLLM frees them, and the block table may
+  // still name their old blocks.
   const int len = a.seq_lens[req];
   const int n_codes = a.window > 0 ? ((len - 1) / a.window) * a.window : len;
   const int lo = a.sliding_window > 0 ? max(0, len - a.sliding_window) : 0;
-  int t_begin = 0, t_end = 0;
+  int t_begin = 0, t_end = 0, w_begin = 0, w_end = 0;
   if (len > 0) {
-    if (is_win) {
-      t_begin = max(n_codes, lo), t_end = len;
-    } else if (n_codes > lo) {
+    if (n_codes > lo) {
       const int first = (lo / kChunk) * kChunk;  // splits stay 32-token aligned
       const int per = ceil_div(ceil_div(n_codes - first, a.num_splits), kChunk) * kChunk;
       t_begin = min(first + slot * per, n_codes), t_end = min(t_begin + per, n_codes);
       t_begin = max(t_begin, lo);
     }
+    if (a.window > 0 && slot == a.num_splits - 1) w_begin = max(n_codes, lo), w_end = len;
   }
+  const bool has_codes = t_begin < t_end, has_win = w_begin < w_end;
   float* lse_out = a.ws_lse + ((int64_t)req * a.num_heads + h0) * slots + slot;
-  if (t_begin >= t_end) {
+  if (!has_codes && !has_win) {
     if (threadIdx.x < nh) lse_out[threadIdx.x * slots] = -CUDART_INF_F;
     return;
   }
@@ -223,34 +258,13 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_kernel(DecodeArgs a)
                          static_cast<const T*>(a.k_cb) + (int64_t)hkv * kCentroids * D,
                          static_cast<const T*>(a.v_cb) + (int64_t)hkv * kCentroids * D,
                          nullptr, nullptr, n_codes};
-  if (is_win) {
+  if (has_win) {
     const int64_t row = ((int64_t)a.rows[req] * a.num_kv_heads + hkv) * a.window * D;
     cta.wk = static_cast<const T*>(a.win_k) + row;
     cta.wv = static_cast<const T*>(a.win_v) + row;
-  } else if constexpr (C::kCbSmem) {
-    T* s = reinterpret_cast<T*>(pq_smem);
-    const T* qh = static_cast<const T*>(a.q) + req * a.q_stride + (int64_t)h0 * D;
-    for (int u = threadIdx.x; u < MK * kCentroids; u += kDecodeThreads) {
-      const int sub = u / kCentroids, code = u % kCentroids;
-      uint32_t w[C::DWK];
-      load_words<C::DWK>(cta.kcb + u * C::DSK, w);
-      if constexpr (LUT) {
-        const T* cen = reinterpret_cast<const T*>(w);
-        float dot = 0.f;
-#pragma unroll
-        for (int i = 0; i < C::DSK; ++i) dot += Elem<T>::to_float(qh[sub * C::DSK + i]) * Elem<T>::to_float(cen[i]);
-        reinterpret_cast<float*>(pq_smem)[quarter_unit<1, C::MQ>(sub, code)] = dot;
-      } else {
-        store_words<C::DWK>(s + k_unit<C>(sub, code) * C::DSK, w);
-      }
-    }
-    for (int u = threadIdx.x; u < MV * kCentroids; u += kDecodeThreads) {
-      const int sub = u / kCentroids, code = u % kCentroids;
-      uint32_t w[C::DWV];
-      load_words<C::DWV>(cta.vcb + u * C::DSV, w);
-      store_words<C::DWV>(s + kCentroids * D + v_unit<C>(sub, code) * C::DSV, w);
-    }
-    __syncthreads();
+  }
+  if constexpr (C::kCbSmem) {
+    if (has_codes) cta.template load_books<LUT>(static_cast<const T*>(a.q) + req * a.q_stride + (int64_t)h0 * D);
   }
 
   // Q^T as B fragments: head h0 + r, this lane's dims c*D/4 .. (zero for absent heads).
@@ -268,7 +282,8 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_kernel(DecodeArgs a)
   for (int i = 0; i < C::NT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
   float m_run[2] = {-CUDART_INF_F, -CUDART_INF_F}, l_run[2] = {0.f, 0.f};
 
-  auto chunk = [&](auto win_tag, int t0, const ChunkCodes<C>& cc) {
+  // Keys t0 .. t0 + 31, of which [k_lo, k_hi) count.
+  auto chunk = [&](auto win_tag, int t0, const ChunkCodes<C>& cc, int k_lo, int k_hi) {
     constexpr bool WIN = decltype(win_tag)::value;
     float s[2][4];
 #pragma unroll
@@ -301,7 +316,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_kernel(DecodeArgs a)
           mma<T>(acc, fa, qf[2 * j], qf[2 * j + 1]);
         }
       }
-      const bool va = pa >= t_begin && pa < t_end, vb = pb >= t_begin && pb < t_end;
+      const bool va = pa >= k_lo && pa < k_hi, vb = pb >= k_lo && pb < k_hi;
       s[h][0] = va ? acc[0] * scale : -CUDART_INF_F;
       s[h][1] = va ? acc[1] * scale : -CUDART_INF_F;
       s[h][2] = vb ? acc[2] * scale : -CUDART_INF_F;
@@ -334,11 +349,24 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_kernel(DecodeArgs a)
       const uint32_t pb0 = movmatrix_trans(Elem<T>::pack(p[h][0], p[h][1]));
       const uint32_t pb1 = movmatrix_trans(Elem<T>::pack(p[h][2], p[h][3]));
       const int tv = t0 + 8 * c + 4 * h;
+      // P is 0 for keys outside [k_lo, k_hi), but 0 * NaN is NaN: such keys must not bring
+      // in the NaN centroid of layout.NAN_CODE (subspace 0: q = 0, r = 0; stale page bytes,
+      // keys before a sliding window), so their subspace-0 codes read centroid 0 instead.
+      uint32_t v0 = 0u;
+      if constexpr (!WIN) {
+        v0 = cc.v[h][0];
+        if (r == 0) {
+#pragma unroll
+          for (int k = 0; k < 4; ++k)
+            if (tv + k < k_lo || tv + k >= k_hi) v0 &= ~(0xffu << (8 * k));
+        }
+      }
 #pragma unroll
       for (int q = 0; q < C::VSUB; ++q) {
         uint32_t v[4][C::DWV];
 #pragma unroll
-        for (int k = 0; k < 4; ++k) cta.template fetch_v<WIN>(cc, h, q, k, tv + k, v[k]);
+        for (int k = 0; k < 4; ++k)
+          cta.template fetch_v<WIN>(q == 0 ? v0 : cc.v[h][q], q, k, tv + k, tv + k >= k_lo && tv + k < k_hi, v[k]);
 #pragma unroll
         for (int u = 0; u < C::DWV; ++u) {
           const uint32_t fa[4] = {__byte_perm(v[0][u], v[1][u], 0x5410), __byte_perm(v[0][u], v[1][u], 0x7632),
@@ -349,25 +377,34 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_kernel(DecodeArgs a)
     }
   };
 
-  constexpr int stride = kDecodeWarps * kChunk;
-  if (is_win) {
-    ChunkCodes<C> none;
-    for (int t0 = t_begin + warp * kChunk; t0 < t_end; t0 += stride)
-      chunk(std::true_type{}, t0, none);
-  } else {
-    int t0 = (t_begin / kChunk) * kChunk + warp * kChunk;
+  constexpr int stride = C::kWarps * kChunk;
+  int code_chunks = 0;
+  if (has_codes) {
+    const int first = (t_begin / kChunk) * kChunk;
+    code_chunks = ceil_div(t_end - first, kChunk);
+    int t0 = first + warp * kChunk;
     ChunkCodes<C> cur, nxt;
-    if (t0 < t_end) cta.load_codes(t0, cur);
+    if (t0 < t_end) cta.load_codes(t0, cur);  // in flight while the codebooks arrive
+    if constexpr (C::kCbSmem) {
+      cp_async_wait_all();
+      __syncthreads();
+    }
     for (; t0 < t_end; t0 += stride) {
       if constexpr (C::kPrefetch) {
         if (t0 + stride < t_end) cta.load_codes(t0 + stride, nxt);
-        chunk(std::false_type{}, t0, cur);
+        chunk(std::false_type{}, t0, cur, t_begin, t_end);
         cur = nxt;
       } else {
-        chunk(std::false_type{}, t0, cur);
+        chunk(std::false_type{}, t0, cur, t_begin, t_end);
         if (t0 + stride < t_end) cta.load_codes(t0 + stride, cur);
       }
     }
+  }
+  if (has_win) {  // the window's chunks go on round the warps where the codes' stopped
+    ChunkCodes<C> none;
+    for (int i = (warp - code_chunks % C::kWarps + C::kWarps) % C::kWarps; w_begin + i * kChunk < w_end;
+         i += C::kWarps)
+      chunk(std::true_type{}, w_begin + i * kChunk, none, w_begin, w_end);
   }
 
   // Combine the 8 warps: each lane's l covers its rows only; sum over r.
@@ -392,23 +429,24 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_kernel(DecodeArgs a)
   }
   __syncthreads();
   float* o_out = a.ws_o + (((int64_t)req * a.num_heads + h0) * slots + slot) * D;
-  for (int idx = threadIdx.x; idx < nh * D; idx += kDecodeThreads) {
+  for (int idx = threadIdx.x; idx < nh * D; idx += C::kThreads) {
     const int head = idx / D, dim = idx % D;
     float mstar = -CUDART_INF_F;
 #pragma unroll
-    for (int w = 0; w < kDecodeWarps; ++w) mstar = fmaxf(mstar, red[(w * kHeadsPerCta + head) * (D + 2) + D]);
+    for (int w = 0; w < C::kWarps; ++w) mstar = fmaxf(mstar, red[(w * kHeadsPerCta + head) * (D + 2) + D]);
     float num = 0.f, den = 0.f;
     if (mstar != -CUDART_INF_F) {
 #pragma unroll
-      for (int w = 0; w < kDecodeWarps; ++w) {
+      for (int w = 0; w < C::kWarps; ++w) {
         const float* src = red + (w * kHeadsPerCta + head) * (D + 2);
         const float f = exp2f(src[D] - mstar);
         num += f * src[dim];
         den += f * src[D + 1];
       }
     }
-    o_out[(int64_t)head * slots * D + dim] = den > 0.f ? num / den : 0.f;
-    if (dim == 0) lse_out[head * slots] = den > 0.f ? mstar + log2f(den) : -CUDART_INF_F;
+    // den is 0 (no keys), positive, or NaN (a NaN-marked key, layout.py): NaN propagates
+    o_out[(int64_t)head * slots * D + dim] = den != 0.f ? num / den : 0.f;
+    if (dim == 0) lse_out[head * slots] = den != 0.f ? mstar + log2f(den) : -CUDART_INF_F;
   }
 }
 
@@ -420,8 +458,8 @@ cudaError_t launch_kernel(const DecodeArgs& a, cudaStream_t stream) {
       decode_kernel<T, D, MK, MV, LUT>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
   if (attr != cudaSuccess) return attr;
   const int group = a.num_heads / a.num_kv_heads;
-  dim3 grid(a.num_splits + 1, a.num_kv_heads * ceil_div(group, kHeadsPerCta), a.num_reqs);
-  decode_kernel<T, D, MK, MV, LUT><<<grid, kDecodeThreads, C::kSmem, stream>>>(a);
+  dim3 grid(a.num_splits, a.num_kv_heads * ceil_div(group, kHeadsPerCta), a.num_reqs);
+  decode_kernel<T, D, MK, MV, LUT><<<grid, C::kThreads, C::kSmem, stream>>>(a);
   return cudaGetLastError();
 }
 

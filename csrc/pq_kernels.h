@@ -53,11 +53,11 @@ struct DecodeArgs {
   int window;
   int sliding_window;  // > 0: a query at position i reads keys j > i - sliding_window only
   int num_reqs, num_heads, num_kv_heads, head_dim, m_k, m_v;
-  int num_splits;  // codes splits; one more slot holds the window
+  int num_splits;  // splits of the codes; the last one also reads the window
   float scale;
   bool lut;       // score through Q.centroid lookup tables where supported (see pq_decode.cuh)
-  float* ws_o;    // [R, Hq, num_splits + 1, D]
-  float* ws_lse;  // [R, Hq, num_splits + 1] (log2 domain)
+  float* ws_o;    // [R, Hq, num_splits, D]
+  float* ws_lse;  // [R, Hq, num_splits] (log2 domain)
   DType dtype;
 };
 

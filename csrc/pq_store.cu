@@ -4,7 +4,8 @@
 // they are one launch when the widths agree and two otherwise. The fp32 codebook is staged in shared memory a
 // group of subspaces at a time; a warp's lanes take 32 tokens of one subspace, so every
 // centroid read is a broadcast. Distances are fp32 sums of squared differences in
-// element order, and the first minimum wins, as in reference.encode.
+// element order, and the first minimum wins (a NaN distance never does), as in
+// reference.encode; subspace 0 of a non-finite vector gets kNanCode (layout.NAN_CODE).
 #include <math_constants.h>
 
 #include "pq_common.cuh"
@@ -15,6 +16,7 @@ namespace {
 constexpr int kStoreThreads = 256;
 constexpr int kStoreTokens = 64;
 constexpr int kStoreSmem = 64 * 1024;
+constexpr int kNanCode = 255;  // layout.NAN_CODE
 
 template <typename T, int DS>
 __global__ void __launch_bounds__(kStoreThreads) store_kernel(StoreArgs a, int first_part) {
@@ -43,7 +45,8 @@ __global__ void __launch_bounds__(kStoreThreads) store_kernel(StoreArgs a, int f
       const int64_t slot = a.slot_mapping[tok0 + t];
       if (slot < 0) continue;
       const int m = m0 + ml;
-      const T* x = src + (tok0 + t) * stride + (int64_t)head * a.head_dim + m * DS;
+      const T* xh = src + (tok0 + t) * stride + (int64_t)head * a.head_dim;
+      const T* x = xh + m * DS;
       float xv[DS];
 #pragma unroll
       for (int i = 0; i < DS; ++i) xv[i] = Elem<T>::to_float(x[i]);
@@ -58,6 +61,11 @@ __global__ void __launch_bounds__(kStoreThreads) store_kernel(StoreArgs a, int f
           dist = __fmaf_rn(diff, diff, dist);
         }
         if (dist < best) best = dist, code = k;
+      }
+      if (m == 0) {  // the whole head's vector: one non-finite element marks the token
+        bool finite = true;
+        for (int i = 0; i < a.head_dim; ++i) finite = finite && isfinite(Elem<T>::to_float(xh[i]));
+        if (!finite) code = kNanCode;
       }
       const int64_t blk = slot / pg.block_size, off = slot % pg.block_size;
       uint8_t* region = pg.base + blk * pg.block_stride + head * pg.head_stride;

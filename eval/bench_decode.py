@@ -1,4 +1,5 @@
-"""Decode attention side by side at Llama-3-8B shapes (32 query heads, 8 KV heads, d=128):
+"""Decode attention side by side at Llama-3-8B shapes (32 query heads, 8 KV heads, d=128;
+``--shape qwen2.5-7b``: 28 query heads, 4 KV heads):
 CUSTOM (PQ CUDA kernels, window 128) vs FA3 paged decode (vllm_flash_attn, bf16 K/V,
 pages of 16 and 128 tokens, the faster reported) vs TURBOQUANT 4bit_nc decode (Triton),
 with a device-to-device copy measured in the same run as the bandwidth ceiling.
@@ -28,6 +29,7 @@ import torch
 from provenance import provenance  # eval/ is the script's directory
 
 HQ, HKV, D = 32, 8, 128
+SHAPES = {"llama3-8b": (32, 8), "qwen2.5-7b": (28, 4)}  # (query heads, KV heads), d = 128
 WINDOW, PQ_BLOCK = 128, 128
 L2_FLUSH = 256 << 20  # rotate inputs until they span this many bytes
 
@@ -92,8 +94,8 @@ def bench_pq(batch, ctx, ms, gen, hq=HQ, hkv=HKV, lut=False):
     out = torch.empty_like(q)
     seq = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     splits = ops.num_splits_for(batch, hkv, torch.cuda.get_device_properties(0).multi_processor_count)
-    ws_o = torch.empty(batch * hq * (splits + 1) * D, device="cuda")
-    ws_lse = torch.empty(batch * hq * (splits + 1), device="cuda")
+    ws_o = torch.empty(batch * hq * splits * D, device="cuda")
+    ws_lse = torch.empty(batch * hq * splits, device="cuda")
 
     def run(i):
         torch.ops.pq_backend.decode(out, q, cache, tables[i], seq, cb[0], cb[1], win[0], win[1],
@@ -127,7 +129,7 @@ def bench_fa3(batch, ctx, block, gen, hq=HQ, hkv=HKV):
     return timed(run, n), kv_bytes
 
 
-def bench_turboquant(batch, ctx, gen):
+def bench_turboquant(batch, ctx, gen, hq=HQ, hkv=HKV):
     from vllm.model_executor.layers.quantization.turboquant.centroids import get_centroids
     from vllm.model_executor.layers.quantization.turboquant.config import TurboQuantConfig
     from vllm.v1.attention.backends.turboquant_attn import _build_hadamard
@@ -136,13 +138,13 @@ def bench_turboquant(batch, ctx, gen):
     cfg = TurboQuantConfig.from_cache_dtype("turboquant_4bit_nc", D)
     block = 16
     slot = cfg.slot_size_aligned
-    n = copies_for(batch * ctx * HKV * slot)
+    n = copies_for(batch * ctx * hkv * slot)
     tables, blocks = block_table(batch, ctx, block, n, gen)
-    cache = torch.randint(0, 256, (blocks, block, HKV, slot), dtype=torch.uint8, device="cuda",
+    cache = torch.randint(0, 256, (blocks, block, hkv, slot), dtype=torch.uint8, device="cuda",
                           generator=gen)
     pi = _build_hadamard(D, "cuda")
     cents = get_centroids(D, cfg.centroid_bits).to("cuda", torch.float32)
-    q = torch.randn(batch, HQ, D, device="cuda", generator=gen, dtype=torch.bfloat16)
+    q = torch.randn(batch, hq, D, device="cuda", generator=gen, dtype=torch.bfloat16)
     seq = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
 
     def run(i):
@@ -154,7 +156,7 @@ def bench_turboquant(batch, ctx, gen):
         )
 
     us = timed(run, n)
-    return us, batch * ctx * HKV * slot
+    return us, batch * ctx * hkv * slot
 
 
 def g_sweep(args, gen) -> list[dict]:
@@ -178,12 +180,18 @@ def g_sweep(args, gen) -> list[dict]:
     return rows
 
 
+def _num(x: float, digits: int):
+    return None if math.isnan(x) else round(x, digits)  # None: not measured (--no-turboquant)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--contexts", type=int, nargs="+")
     p.add_argument("--batches", type=int, nargs="+")
     p.add_argument("--bits", nargs="+", default=["4", "2"],
                    help="CUSTOM settings, bits per element: 4, 2, or K/V as 4/2")
+    p.add_argument("--shape", choices=SHAPES, default="llama3-8b")
+    p.add_argument("--no-turboquant", action="store_true", help="CUSTOM and FA3 only")
     p.add_argument("--g-sweep", action="store_true", help="MMA vs LUT scores at g = 1, 4, 8")
     p.add_argument("--out", default="eval/results/decode_kernel.json")
     args = p.parse_args()
@@ -206,30 +214,32 @@ def main() -> int:
         print(f"wrote {args.out}")
         return 0
     copy_gbs = copy_bandwidth()
+    hq, hkv = SHAPES[args.shape]
+    nan = float("nan")
     rows = []
     print(f"device {torch.cuda.get_device_name()}, copy {copy_gbs:.0f} GB/s (read+write)", flush=True)
     print("context batch bits | custom_us  fa3_us(b16/b128)  tq_us | x_fa3 x_tq | custom GB/s (% copy)")
     for ctx in args.contexts:
         for batch in args.batches:
-            fa16, fa_bytes = bench_fa3(batch, ctx, 16, gen)
-            fa128, _ = bench_fa3(batch, ctx, 128, gen)
-            tq, tq_bytes = bench_turboquant(batch, ctx, gen)
+            fa16, fa_bytes = bench_fa3(batch, ctx, 16, gen, hq, hkv)
+            fa128, _ = bench_fa3(batch, ctx, 128, gen, hq, hkv)
+            tq, tq_bytes = (nan, 0) if args.no_turboquant else bench_turboquant(batch, ctx, gen, hq, hkv)
             for bits, ms in args.settings:
-                us, must, splits = bench_pq(batch, ctx, ms, gen)
+                us, must, splits = bench_pq(batch, ctx, ms, gen, hq, hkv)
                 fa = min(fa16, fa128)
                 gbs = must / (us * 1e-6) / 1e9
                 rows.append(dict(
                     context=ctx, batch=batch, bits=bits, M_k=ms[0], M_v=ms[1], custom_us=round(us, 2), fa3_us=round(fa, 2),
                     fa3_block16_us=round(fa16, 2), fa3_block128_us=round(fa128, 2),
-                    turboquant_us=round(tq, 2), speedup_vs_fa3=round(fa / us, 3),
-                    speedup_vs_turboquant=round(tq / us, 3), custom_gbs=round(gbs, 1),
+                    turboquant_us=_num(tq, 2), speedup_vs_fa3=round(fa / us, 3),
+                    speedup_vs_turboquant=_num(tq / us, 3), custom_gbs=round(gbs, 1),
                     custom_bytes=must, fa3_gbs=round(fa_bytes / (fa * 1e-6) / 1e9, 1),
-                    turboquant_gbs=round(tq_bytes / (tq * 1e-6) / 1e9, 1), copy_gbs=round(copy_gbs, 1),
+                    turboquant_gbs=_num(tq_bytes / (tq * 1e-6) / 1e9, 1), copy_gbs=round(copy_gbs, 1),
                     custom_pct_copy=round(100 * gbs / copy_gbs, 1), splits=splits,
                 ))
                 print(f"{ctx:7d} {batch:5d} {bits:>4} | {us:9.1f} {fa16:8.1f}/{fa128:<8.1f} {tq:8.1f} | "
                       f"{fa / us:5.2f} {tq / us:5.2f} | {gbs:7.0f} ({100 * gbs / copy_gbs:4.1f}%)", flush=True)
-        result = dict(stamp, shapes=dict(q_heads=HQ, kv_heads=HKV, head_dim=D, pq_block=PQ_BLOCK,
+        result = dict(stamp, shapes=dict(model=args.shape, q_heads=hq, kv_heads=hkv, head_dim=D, pq_block=PQ_BLOCK,
                       window=WINDOW), copy_gbs=round(copy_gbs, 1), rows=rows)
         with open(args.out, "w") as f:  # after each context: a cut-short run keeps its rows
             json.dump(result, f, indent=1)

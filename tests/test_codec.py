@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_pq_backend import reference
+from vllm_pq_backend import codebooks, reference
 from vllm_pq_backend.calibrate import train_quantizer
-from vllm_pq_backend.layout import PageLayout, window_start
+from vllm_pq_backend.layout import NAN_CODE, PageLayout, window_start
 
 
 def test_codes_in_range_and_exact_on_centroids():
@@ -29,6 +29,24 @@ def test_encode_picks_the_nearest_centroid_and_the_first_on_ties():
     cb[0, 0, 7] = cb[0, 0, 9] = torch.tensor([100.0, 0.0])  # duplicates: first wins
     x = torch.tensor([[[41.2, 0.0]], [[100.0, 0.0]], [[-5.0, 0.0]]])
     assert reference.encode(x, cb).flatten().tolist() == [41, 7, 0]
+
+
+def test_non_finite_rows_get_the_nan_code_and_finite_rows_never_do():
+    g = torch.Generator().manual_seed(1)
+    cb = codebooks.nan_marked(torch.randn(2, 4, 256, 2, generator=g))  # H=2, M=4, d=8
+    assert cb[:, 0, NAN_CODE].isnan().all() and not cb[:, 1:].isnan().any()
+    x = torch.randn(400, 2, 8, generator=g)
+    x[:10, 0, :2] = cb[0, 0, NAN_CODE - 1]  # exactly on a finite centroid: that one wins
+    x[20, 0, 5] = float("nan")
+    x[21, 1, 0] = float("inf")
+    x[22, 1, 7] = float("-inf")
+    codes = reference.encode(x, cb)
+    marked = codes[..., 0] == NAN_CODE
+    want = torch.zeros(400, 2, dtype=torch.bool)
+    want[20, 0] = want[21, 1] = want[22, 1] = True
+    assert torch.equal(marked, want)
+    assert (codes[:10, 0, 0] == NAN_CODE - 1).all()
+    assert reference.decode_codes(codes, cb)[want].isnan().any(-1).all()
 
 
 def test_reconstruction_error_falls_as_m_grows():

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from vllm_pq_backend import ops, reference
-from vllm_pq_backend.layout import HEAD_DIMS, PageLayout, supported_m
+from vllm_pq_backend import codebooks, ops, reference
+from vllm_pq_backend.layout import HEAD_DIMS, NAN_CODE, PageLayout, supported_m
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEV = "cuda"
@@ -58,8 +58,8 @@ def paged_case(lens, *, d, m, g, hkv, block, dtype, window, seed, lut=False, m_v
 def run_kernel(c, splits):
     r, hq, d = c["q"].shape
     out = torch.full_like(c["q"], float("nan"))
-    ws_o = torch.full((r * hq * (splits + 1) * d,), float("nan"), device=DEV)
-    ws_lse = torch.full((r * hq * (splits + 1),), float("nan"), device=DEV)
+    ws_o = torch.full((r * hq * splits * d,), float("nan"), device=DEV)
+    ws_lse = torch.full((r * hq * splits,), float("nan"), device=DEV)
     torch.ops.pq_backend.decode(
         out, c["q"], c["cache"], c["table"], c["seq"], c["k_cb"], c["v_cb"], c["win_k"],
         c["win_v"], c["rows"], c["window"], c["sliding"], splits, c["scale"], c["lut"], ws_o,
@@ -142,6 +142,70 @@ def test_decode_any_split_count(splits):
     c = paged_case(MIXED, d=128, m=64, g=4, hkv=2, block=64, dtype=torch.bfloat16, window=64,
                    seed=splits)
     check(c, splits=splits, tol=TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("g,lut", [(4, False), (1, True)])
+@pytest.mark.parametrize("window,sliding", [(0, 0), (128, 0), (32, 300)])
+def test_decode_nan_marked_tokens(window, sliding, g, lut):
+    """layout.NAN_CODE in subspace 0 of K or V: NaN in exactly the rows (request, query
+    head) that read the token, as the reference says. Marked bytes nobody reads (past the
+    end of a page, codes of window tokens, before a sliding window) change nothing: the
+    masked keys' P = 0 must not multiply a NaN centroid."""
+    lens = [1500, 700, 2000, 45]
+    c = paged_case(lens, d=128, m=64, m_v=32, g=g, hkv=2, block=128, dtype=torch.bfloat16,
+                   window=window, seed=window + sliding + g, lut=lut, sliding=sliding)
+    c["k_cb"], c["v_cb"] = codebooks.nan_marked(c["k_cb"]), codebooks.nan_marked(c["v_cb"])
+    lay, block = c["lay"], 128
+    region = c["cache"].view(c["cache"].shape[0], 2, -1)
+    tok = torch.arange(block, device=DEV)
+    k0, v0 = lay.k_code_offset(tok, 0), lay.v_code_offset(tok, 0)
+    for at in (k0, v0):  # no accidental markers, then markers where nobody reads
+        sub = region[:, :, at]
+        region[:, :, at] = torch.where(sub == NAN_CODE, sub - 1, sub)
+    table = c["table"].cpu()
+    for r, n in enumerate(lens):
+        n_codes = (n - 1) // window * window if window else n
+        lo = max(0, n - sliding) if sliding else 0
+        unread = [*range(n, -(-n // block) * block), *range(n_codes, n), *range(lo // block * block, lo)]
+        for p in unread:  # (pages wholly before lo may be other requests' now: left alone)
+            blk = int(table[r, p // block])
+            region[blk, :, k0[p % block]] = NAN_CODE
+            region[blk, :, v0[p % block]] = NAN_CODE
+    # read markers: K of request 0 at 100 (head 0), V of request 2 at 1800 (head 1)
+    region[int(table[0, 0]), 0, k0[100]] = NAN_CODE
+    region[int(table[2, 1800 // block]), 1, v0[1800 % block]] = NAN_CODE
+    out = run_kernel(c, splits=3).float()
+    ref = run_reference(c)
+    bad = out.isnan().any(-1)
+    assert torch.equal(bad, ref.isnan().any(-1)), (bad, ref.isnan().any(-1))
+    assert bad[2, g:].all() and bad.sum() == (g if sliding else 2 * g)  # 100 < 2000 - 300
+    err = row_errors(out[~bad].unsqueeze(0), ref[~bad].unsqueeze(0))
+    assert err.max() < TOL[torch.bfloat16]
+
+
+def test_store_marks_non_finite_vectors():
+    """A NaN or infinity anywhere in a (token, KV head)'s K or V: NAN_CODE in subspace 0
+    (reference.encode); finite vectors never get it, even on the NaN centroid's neighbours."""
+    gen = torch.Generator().manual_seed(5)
+    hkv, d, block, n = 2, 128, 64, 300
+    lay = PageLayout(block, 64, 32)
+    cache = torch.zeros((8, hkv, block, lay.state_bytes), dtype=torch.uint8, device=DEV)
+    slots = torch.randperm(8 * block, generator=gen)[:n].to(DEV)
+    key = torch.randn(n, hkv, d, generator=gen).to(DEV, torch.bfloat16)
+    value = torch.randn(n, hkv, d, generator=gen).to(DEV, torch.bfloat16)
+    key[5, 1, 17] = float("nan")
+    key[9, 0, 127] = float("inf")
+    value[20, 1, 100] = float("-inf")
+    value[21, 0, 0] = float("nan")
+    k_cb = codebooks.nan_marked(torch.randn(hkv, 64, 256, 2, generator=gen).to(DEV))
+    v_cb = codebooks.nan_marked(torch.randn(hkv, 32, 256, 4, generator=gen).to(DEV))
+    torch.ops.pq_backend.store(cache, key, value, slots, k_cb, v_cb, *lay.kernel_args())
+    kc, vc = reference.codes_at(cache, slots, lay)
+    for codes, rows in ((kc, [(5, 1), (9, 0)]), (vc, [(20, 1), (21, 0)])):
+        want = torch.zeros(n, hkv, dtype=torch.bool, device=DEV)
+        for t, h in rows:
+            want[t, h] = True
+        assert torch.equal(codes[..., 0] == NAN_CODE, want)
 
 
 def test_decode_128k_context():

@@ -25,7 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .config import default_codebook_path
-from .layout import NUM_CENTROIDS, bits_of, supported_m
+from .layout import NAN_CODE, NUM_CENTROIDS, bits_of, supported_m
 
 FORMAT = "vllm_pq_backend/codebooks/3"
 # 1: no transforms; 1 and 2: one M for K and V
@@ -217,6 +217,14 @@ def load_layer(info: CodebookInfo, layer: int, heads: slice) -> tuple[torch.Tens
         k = f.get_slice("k_centroids")[layer, heads]
         v = f.get_slice("v_centroids")[layer, heads]
     return k.float().contiguous(), v.float().contiguous()
+
+
+def nan_marked(centroids: torch.Tensor) -> torch.Tensor:
+    """The centroids as served: ``layout.NAN_CODE`` of subspace 0 made NaN, the marker of
+    non-finite K/V (layout.py). It costs subspace 0 one of its 256 centroids."""
+    out = centroids.clone()
+    out[:, 0, NAN_CODE] = float("nan")
+    return out
 
 
 def load_transforms(info: CodebookInfo, layer: int, heads: slice):

@@ -24,7 +24,9 @@ class LayerState:
         k32, v32 = codebooks.load_layer(
             info, layer_index, slice(start, start + impl.num_kv_heads)
         )
-        self.k_cb32, self.v_cb32 = k32.to(device), v32.to(device)  # encode: fp32
+        # encode: fp32; NaN marker centroid for non-finite K/V (layout.NAN_CODE)
+        self.k_cb32 = codebooks.nan_marked(k32).to(device)
+        self.v_cb32 = codebooks.nan_marked(v32).to(device)
         self.k_cb, self.v_cb = self.k_cb32.to(dtype), self.v_cb32.to(dtype)  # attend
         # The codebooks' linear maps (codebooks.py): keys k T_k, queries q T_k^-T (q.k is
         # unchanged), values v T_v and outputs o T_v^-1. Everything after them (store,

@@ -24,6 +24,14 @@ precision token a query needs was written by the same request in this life of it
 prefill (any chunking), decode, batching, preemption and prefix caching on or off all
 see exactly the same keys. Codes are written for every token, so shared blocks are
 always readable. ``W = 0`` reads every key through its codes.
+
+Non-finite keys and values
+--------------------------
+Code ``NAN_CODE`` of subspace 0 is reserved: the store writes it for a (token, KV head)
+whose K (or V) holds a NaN or an infinity, and its centroid is NaN while serving
+(``codebooks.nan_marked``), so every query that reads the token gets NaN, as with
+FLASH_ATTN, instead of a plausible vector (the window keeps the values as they are).
+Finite vectors never get it: a NaN centroid is never nearest.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 NUM_CENTROIDS = 256  # 8-bit codes
+NAN_CODE = 255  # subspace 0: the token's vector was not finite (see above)
 BLOCK_ALIGN = 32  # the decode kernel consumes pages in 32-token chunks
 HEAD_DIMS = (64, 128, 256)  # head sizes the kernels are built for
 # (bits per element of K, of V) -> subspaces per head: 8-bit codes over head_dim / M dims

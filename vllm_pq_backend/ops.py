@@ -11,7 +11,7 @@ import torch
 from . import kernels, reference
 from .layout import PageLayout
 
-MAX_SPLITS = 16  # codes splits per (request, KV head); the window adds one more
+MAX_SPLITS = 16  # splits of the codes per (request, KV head); the last reads the window too
 
 
 @functools.cache
@@ -67,9 +67,9 @@ def lut_scores(num_heads: int, num_kv_heads: int, head_dim: int, m_k: int) -> bo
 
 def workspace_slots(max_decodes: int, ctas_per_split: int, num_sms: int, q_heads: int) -> int:
     """Split-result slots (per head dim) the decode kernel needs at most for up to
-    ``max_decodes`` requests: n * q_heads * (splits(n) + 1), largest over n (splits fall as
-    batches grow, so this is far below max_decodes * (MAX_SPLITS + 1))."""
-    return max(n * q_heads * (num_splits_for(n, ctas_per_split, num_sms) + 1)
+    ``max_decodes`` requests: n * q_heads * splits(n), largest over n (splits fall as
+    batches grow, so this is far below max_decodes * MAX_SPLITS)."""
+    return max(n * q_heads * num_splits_for(n, ctas_per_split, num_sms)
                for n in range(1, max_decodes + 1))
 
 
@@ -117,7 +117,7 @@ def decode(out, query, key, value, kv_cache, md, state, scale: float) -> None:
         reference.window_write(state.win_k, state.win_v, key[:nd], value[:nd], rows, pos, w)
     if use_kernels(query):
         hq = query.shape[1]
-        slots = nd * hq * (md.num_splits + 1)
+        slots = nd * hq * md.num_splits
         ws_o, ws_lse = md.ws_o[: slots * state.d], md.ws_lse[:slots]
         empty = query.new_empty(0)
         torch.ops.pq_backend.decode(

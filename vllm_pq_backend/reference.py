@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import torch
 
-from .layout import PageLayout, window_start
+from .layout import NAN_CODE, PageLayout, window_start
 
 _ENCODE_CHUNK = 1024
 
 
 def encode(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
-    """Nearest centroid per subspace (fp32 squared distance, first index on ties)."""
+    """Nearest centroid per subspace (fp32 squared distance, first index on ties; a NaN
+    distance is never nearest), and ``NAN_CODE`` in subspace 0 of every (row, head) that
+    holds a NaN or an infinity (layout.py)."""
     n, h, d = x.shape
     _, m, c, ds = centroids.shape
     out = torch.empty(n, h, m, dtype=torch.uint8, device=x.device)
@@ -24,7 +26,10 @@ def encode(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
     for s in range(0, n, _ENCODE_CHUNK):
         xs = x[s : s + _ENCODE_CHUNK].float().view(-1, h, m, 1, ds)
         dist = ((xs - cb.unsqueeze(0)) ** 2).sum(-1)  # [n, h, m, 256]
+        dist = dist.masked_fill(dist.isnan(), float("inf"))
         out[s : s + _ENCODE_CHUNK] = dist.argmin(-1).to(torch.uint8)
+    bad = ~torch.isfinite(x).all(-1)  # [n, h]
+    out[..., 0][bad] = NAN_CODE
     return out
 
 
@@ -107,7 +112,10 @@ def attention(
     """Causal attention where key ``j`` is read at full precision by query ``i`` iff
     ``j >= window_start(i, window)``, and through its codes otherwise; with
     ``sliding_window > 0`` query ``i`` reads keys ``j > i - sliding_window`` only (vLLM's
-    convention), the rest of the history (freed pages) is never looked at."""
+    convention), the rest of the history (freed pages) is never looked at. A query that
+    reads a non-finite key or value (as stored: codes marked ``NAN_CODE``, or window
+    rows) gets NaN for that KV head's query heads; one that does not read it is not
+    touched by it."""
     n, hq, d = query.shape
     hkv = key.shape[1]
     g = hq // hkv
@@ -143,7 +151,14 @@ def attention(
         s_fp = torch.einsum("qhgd,khd->hgqk", q, k_fp) * scale
         s = torch.where(exact, s_fp, s_code).masked_fill(~causal, float("-inf"))
         p = torch.softmax(s, dim=-1)
+        # non-finite V: NaN for the queries that read it, nothing for the others (whose
+        # p = 0 would still turn it into NaN)
+        bad_hat, bad_fp = (~torch.isfinite(v).all(-1) for v in (v_hat, v_fp))  # [total, Hkv]
+        reads_bad = ((causal & ~exact).unsqueeze(-1) & bad_hat) | (exact.unsqueeze(-1) & bad_fp)
+        v_hat = v_hat.masked_fill(bad_hat.unsqueeze(-1), 0.0)
+        v_fp = v_fp.masked_fill(bad_fp.unsqueeze(-1), 0.0)
         o = torch.einsum("hgqk,khd->qhgd", p * ~exact, v_hat)
         o = o + torch.einsum("hgqk,khd->qhgd", p * exact, v_fp)
+        o[reads_bad.any(1)] = float("nan")  # [q, Hkv] rows
         out[qs:qe] = o.reshape(-1, hq, d)
     return out

@@ -48,9 +48,14 @@ struct DecodeCfg {
   static constexpr int DWV = DSV / 2; // words per V centroid
   static constexpr int NT = D / 16;   // m16 tiles of output dims
   static constexpr bool kCbSmem = D <= 128;
-  static constexpr int kWarps = 8;
+  // 12 warps without prefetching the next chunk's codes (<= 168 registers) hide latency
+  // better than 8 with it (246-251 registers): at 4 bits 0.86x FA3 instead of 0.85x at
+  // 1K x 64, 1.33x instead of 1.16x at 32K x 8; 16 warps (128 registers, small spills)
+  // were within 2% of 12 (eval/results/decode_variants_h200.json). head_dim 256 keeps 8:
+  // its codebooks stay in global memory and its fragments need the registers.
+  static constexpr int kWarps = D <= 128 ? 12 : 8;
   static constexpr int kThreads = 32 * kWarps;
-  static constexpr bool kPrefetch = D <= 128;
+  static constexpr bool kPrefetch = false;
   static constexpr int kCbBytes = 2 * kCentroids * D * (int)sizeof(T);
   static constexpr int kRedBytes = kWarps * kHeadsPerCta * (D + 2) * (int)sizeof(float);
   static constexpr int kSmem = (kCbSmem && kCbBytes > kRedBytes) ? kCbBytes : kRedBytes;
@@ -355,7 +360,7 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
       uint32_t v0 = 0u;
       if constexpr (!WIN) {
         v0 = cc.v[h][0];
-        if (r == 0) {
+        if (r == 0 && (t0 < k_lo || t0 + kChunk > k_hi)) {  // edge chunks only
 #pragma unroll
           for (int k = 0; k < 4; ++k)
             if (tv + k < k_lo || tv + k >= k_hi) v0 &= ~(0xffu << (8 * k));

@@ -1,13 +1,15 @@
 """Serving soak: `vllm serve` on loopback under a mixed, adversarial load, for each backend.
 
     python eval/soak.py --model eval/data/smollm2 --backends CUSTOM FLASH_ATTN --minutes 10
+    python eval/soak.py ... --parallel   # both servers at once, each on its own share of one GPU
 
 For each backend: start the server; record GPU memory; take the greedy output of each
 reference prompt sent alone; then for --minutes keep --clients concurrent clients busy
 with prompts of mixed lengths up to max_model_len, streaming and non-streaming, a share
 cancelled by the client mid-stream (or by a short timeout), a few malformed requests
 (expecting HTTP 400), and the reference prompts again (greedy, compared token text to
-the alone outputs); afterwards check /health and GPU memory again. Writes
+the alone outputs); afterwards check /health and GPU memory again (the server's processes'
+own use where nvidia-smi can tell, else the whole GPU's). Writes
 eval/results/soak.json: errors (anything other than the deliberate cancellations and the
 expected 400s), whether the server exited, memory before/after, the share of reference
 outputs identical to alone, request counts.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
 import os
 import random
@@ -36,10 +39,23 @@ WORDS = ("the of and to in is was for on that with as by at from it an be this w
          "kernel memory page cache token model request server client stream").split()
 
 
-def gpu_memory_mib() -> int:
-    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True, check=True).stdout
-    return int(out.split()[0])
+def gpu_memory_mib(root_pid: int) -> tuple[int, str]:
+    """(MiB, scope): the GPU memory of the process tree under ``root_pid`` (the server and
+    its engine core), or of the whole GPU where nvidia-smi does not show their pids."""
+    import psutil
+
+    def smi(*q):
+        return subprocess.run(["nvidia-smi", *q, "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, check=True).stdout
+
+    root = psutil.Process(root_pid)
+    pids = {root_pid, *(c.pid for c in root.children(recursive=True))}
+    used = [line.split(",") for line in smi("--query-compute-apps=pid,used_memory").splitlines()
+            if line.strip()]
+    mine = [int(m) for pid, m in used if int(pid) in pids]
+    if mine:
+        return sum(mine), "server processes"
+    return int(smi("--query-gpu=memory.used").split()[0]), "whole GPU"
 
 
 def wait_healthy(port: int, proc, timeout: float) -> bool:
@@ -156,8 +172,9 @@ async def alone_outputs(args, port) -> list[str]:
 
 def soak(args, backend: str, port: int) -> dict:
     log = open(os.path.join(os.path.dirname(args.out) or ".", f"soak_{backend}.log"), "w")
+    share = 0.4 if args.parallel else 0.5
     cmd = ["vllm", "serve", args.model, "--attention-backend", backend, "--port", str(port),
-           "--max-model-len", str(args.max_model_len), "--gpu-memory-utilization", "0.5",
+           "--max-model-len", str(args.max_model_len), "--gpu-memory-utilization", str(share),
            *args.serve_args]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     row = dict(backend=backend, command=" ".join(cmd))
@@ -165,12 +182,12 @@ def soak(args, backend: str, port: int) -> dict:
         if not wait_healthy(port, proc, 600):
             return dict(row, error="server did not become healthy", exited=proc.poll())
         alone = asyncio.run(alone_outputs(args, port))
-        row["gpu_mib_before"] = gpu_memory_mib()
+        row["gpu_mib_before"], row["gpu_mib_scope"] = gpu_memory_mib(proc.pid)
         start = time.time()
         stats = asyncio.run(load(args, port, alone, start + 60 * args.minutes))
         row["seconds"] = round(time.time() - start, 1)
         row["healthy_after"] = wait_healthy(port, proc, 30)
-        row["gpu_mib_after"] = gpu_memory_mib()
+        row["gpu_mib_after"] = gpu_memory_mib(proc.pid)[0]
         row["server_exited"] = proc.poll() is not None
         row.update(stats, errors_count=len(stats["errors"]), errors=stats["errors"][:50],
                    reference_identical_share=round(stats["reference_identical"] / max(1, stats["reference"]), 4))
@@ -192,17 +209,30 @@ def main() -> int:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--ref-tokens", type=int, default=48)
     p.add_argument("--port", type=int, default=8190)
+    p.add_argument("--parallel", action="store_true",
+                   help="run the backends' servers at the same time (0.4 of the GPU each)")
     p.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[],
                    help="passed to vllm serve (last on the command line)")
     p.add_argument("--out", default="eval/results/soak.json")
     args = p.parse_args()
     rows = []
-    for i, backend in enumerate(args.backends):
-        rows.append(soak(args, backend, args.port + i))
-        print(json.dumps({k: v for k, v in rows[-1].items() if k != "errors"}), flush=True)
+
+    def record(row):
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "errors"}), flush=True)
         with open(args.out, "w") as f:
             json.dump(dict(provenance(), model=args.model, minutes=args.minutes, clients=args.clients,
-                           max_model_len=args.max_model_len, rows=rows), f, indent=1)
+                           max_model_len=args.max_model_len, parallel=args.parallel, rows=rows),
+                      f, indent=1)
+
+    if args.parallel:
+        with concurrent.futures.ThreadPoolExecutor(len(args.backends)) as pool:
+            runs = [pool.submit(soak, args, b, args.port + i) for i, b in enumerate(args.backends)]
+            for run in runs:
+                record(run.result())
+    else:
+        for i, backend in enumerate(args.backends):
+            record(soak(args, backend, args.port + i))
     return 0
 
 

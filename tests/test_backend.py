@@ -1,6 +1,7 @@
 """Registration, configuration checks, page sizing, codebook validation, the builder."""
 
 import os
+import types
 
 import numpy as np
 import pytest
@@ -227,7 +228,8 @@ def test_builder_on_common_metadata(model_factory):
     cam = CommonAttentionMetadata(
         query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq, num_reqs=3,
         num_actual_tokens=52, max_query_len=50, max_seq_len=70, block_table_tensor=table,
-        slot_mapping=torch.arange(52), seq_lens_cpu_upper_bound=seq, req_idx=np.array([4, 0, 9]),
+        slot_mapping=torch.arange(52), seq_lens_cpu_upper_bound=seq,
+        req_idx=np.array([11, 15, 6]),  # vLLM's rows, from the top: window rows 4, 0, 9
     )
     md = builder.build(0, cam)
     assert (md.num_decodes, md.num_decode_tokens, md.num_prefills) == (2, 2, 1)
@@ -321,3 +323,79 @@ def test_missing_kernels_on_a_gpu_fail_with_the_fix(monkeypatch):
         assert kernels.load() is None
     finally:
         kernels.load.cache_clear()
+
+
+def test_window_rows_follow_vllms_request_rows():
+    """vLLM (model runner V2) hands out request rows last-freed-first from the top: with
+    R admitted requests they are the top R, which the window store's R rows hold; other
+    rows (dummy runs, graph capture) go to the scratch row R."""
+    from vllm_pq_backend.metadata import window_row
+
+    free = list(range(16))  # vLLM's InputBatch / RequestState free list, as it does it
+    live = [free.pop() for _ in range(4)]
+    free.append(live.pop(1))  # one finishes, the next request takes its row
+    live.append(free.pop())
+    rows = window_row(np.array(live), 16, 4)
+    assert sorted(rows.tolist()) == [0, 1, 2, 3]
+    assert window_row(np.arange(6), 16, 4).tolist() == [4] * 6  # dummy run of 6 requests
+    assert window_row(np.array([15, 11]), 16, 16).tolist() == [0, 4]
+
+
+def test_window_store_lowers_admission_to_fit_its_memory_share(model_factory, monkeypatch):
+    """With the default max_num_seqs the store could take more of the memory than the KV
+    cache should give it: it gets rows for at most ``window_memory`` of what vLLM has left
+    for the KV cache and tells the scheduler (max_num_active_seqs) to admit no more. The
+    user's --max-num-active-seqs wins; with several workers nothing is lowered."""
+    import types
+
+    from vllm_pq_backend import impl as impl_mod
+
+    vc = vllm_config(model_factory(64, 4, 2), block_size=64, pq={"window": 64}, max_num_seqs=1024)
+    stub = types.SimpleNamespace(
+        _vllm_config=vc, cfg=types.SimpleNamespace(window_memory=0.1), num_kv_heads=2,
+        window=64, head_size=64, codebook_info=types.SimpleNamespace(num_layers=2))
+    per_seq = impl_mod.window_bytes_per_seq(stub, torch.bfloat16)
+    assert per_seq == 2 * 2 * 64 * 64 * 2 * 2
+    gib = 1 << 30
+    vc.cache_config.gpu_memory_utilization = 0.5
+    mib = 1 << 20  # 4 GiB for vLLM, all but 64 MiB already in use
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (4 * gib + 64 * mib, 8 * gib))
+    rows = impl_mod.window_rows(stub, "cuda", torch.bfloat16)
+    assert rows == int(0.1 * 64 * mib) // per_seq == 102
+    assert vc.scheduler_config.max_num_active_seqs == rows  # what the scheduler admits
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1, 8 * gib))
+    assert impl_mod.window_rows(stub, "cuda", torch.bfloat16) == rows  # later layers agree
+    vc.scheduler_config.max_num_active_seqs = None
+    object.__setattr__(vc.parallel_config, "world_size", 2)
+    assert impl_mod.window_rows(stub, "cuda", torch.bfloat16) == 1024
+    assert vc.scheduler_config.max_num_active_seqs is None
+    vc.scheduler_config.max_num_active_seqs = 3  # the user's
+    assert impl_mod.window_rows(stub, "cuda", torch.bfloat16) == 3
+
+
+@pytest.mark.parametrize("total_kv,tp,rank,want", [(8, 2, 1, [4, 5, 6, 7]), (8, 4, 2, [4, 5]),
+                                                   (2, 4, 1, [0]), (2, 4, 2, [1]), (2, 2, 1, [1])])
+def test_each_tensor_parallel_rank_loads_its_own_kv_heads(tmp_path, monkeypatch, total_kv, tp, rank,
+                                                          want):
+    """vLLM gives rank r KV heads r*n .. (n = total/tp), or, with fewer KV heads than ranks,
+    head r*total//tp replicated: each rank's layer state holds exactly those heads' codebooks
+    (and K/V maps), straight from the file."""
+    from vllm.config import set_current_vllm_config
+
+    from vllm_pq_backend import impl as impl_mod
+
+    model = write_model_config(str(tmp_path / "m"), head_dim=64, q_heads=8, kv_heads=total_kv)
+    books = random_codebooks(str(tmp_path / "b.safetensors"), model, 16, transforms=True)
+    monkeypatch.setattr(impl_mod, "_tp_rank_size", lambda: (rank, tp))
+    vc = vllm_config(model, block_size=64, pq={"codebooks": books, "window": 0})
+    local_kv = max(1, total_kv // tp)
+    with set_current_vllm_config(vc):
+        impl = impl_mod.PQAttentionImpl(max(1, 8 // tp), 64, 0.125, local_kv)
+    layer = types.SimpleNamespace(layer_name="model.layers.1.self_attn.attn")
+    st = impl.state(layer, torch.zeros(1, dtype=torch.bfloat16))
+    info = codebooks.read_info(books)
+    k_all, v_all = codebooks.load_layer(info, 1, slice(None))
+    tk_all, _ = codebooks.load_transforms(info, 1, slice(None))
+    k_mine = st.k_cb32[:, 1:]  # subspace 0 carries the NaN marker
+    assert torch.equal(k_mine, k_all[want, 1:]) and torch.equal(st.v_cb32[:, 1:], v_all[want, 1:])
+    assert torch.equal(st.maps["key"], tk_all[want])

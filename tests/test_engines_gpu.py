@@ -45,3 +45,24 @@ def test_two_engines_with_different_m_in_one_process(tmp_path, monkeypatch):
     for _ in range(2):  # interleaved
         assert greedy(a) == alone["a"]
         assert greedy(b) == alone["b"]
+
+
+def test_window_store_smaller_than_max_num_seqs_caps_admission(tmp_path, monkeypatch):
+    """window_memory leaves the store one row: the engine's scheduler admits one running
+    request at a time (max_num_active_seqs), and the three prompts give what an engine with
+    max_num_seqs=1 gives. Were a second request admitted, two would share a row."""
+    from vllm import LLM
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the scheduler in this process
+    model = tiny_model(tmp_path / "model", head_dim=64)
+    books = random_codebooks(str(tmp_path / "a.safetensors"), model, 32, seed=1)
+    common = dict(model=model, attention_backend="CUSTOM", enforce_eager=True, max_model_len=512,
+                  gpu_memory_utilization=0.15, seed=0)
+    one = LLM(max_num_seqs=1, additional_config={"pq": {"codebooks": books, "window": 128}},
+              **common)
+    want = greedy(one)
+    del one
+    capped = LLM(max_num_seqs=8, **common, additional_config={
+        "pq": {"codebooks": books, "window": 128, "window_memory": 1e-9}})
+    assert capped.llm_engine.engine_core.engine_core.scheduler.max_num_active_reqs == 1
+    assert greedy(capped) == want

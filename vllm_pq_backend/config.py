@@ -1,14 +1,16 @@
 """How a user points the backend at its codebooks and picks M and the window.
 
 Precedence, highest first:
-  1. ``--additional-config '{"pq": {"codebooks": PATH, "m": 32, "m_v": 16, "window": 128}}'``
+  1. ``--additional-config '{"pq": {"codebooks": PATH, "m": 32, "m_v": 16, "window": 128,
+     "window_memory": 0.1}}'``
      (``LLM(..., additional_config={"pq": {...}})``)
   2. environment: ``VLLM_PQ_CODEBOOKS``, ``VLLM_PQ_M``, ``VLLM_PQ_M_V``, ``VLLM_PQ_WINDOW``
      (handy for lm-eval, whose ``--model_args`` cannot carry a JSON dict)
   3. defaults: ``m = head_dim // 2`` (4 bits per element), ``m_v = m``, codebooks at
      ``<model dir>/pq/codebooks_m<M>[_v<Mv>].safetensors`` (where
      ``vllm_pq_backend.calibrate`` writes them), window = 128 tokens when the block size
-     allows it.
+     allows it, window_memory = 0.1 (the window store may take at most this share of
+     the memory vLLM has for the KV cache; see impl.window_rows).
 ``m`` is the K subspaces per head (and V's unless ``m_v`` is given); the codebook file is
 the authority, these only select the default file and are checked against it.
 """
@@ -21,12 +23,13 @@ from dataclasses import dataclass
 from .layout import BLOCK_ALIGN
 
 DEFAULT_WINDOW = 128
+DEFAULT_WINDOW_MEMORY = 0.1
 DEFAULT_BLOCK_SIZE = 128
 ENV_CODEBOOKS = "VLLM_PQ_CODEBOOKS"
 ENV_M = "VLLM_PQ_M"
 ENV_M_V = "VLLM_PQ_M_V"
 ENV_WINDOW = "VLLM_PQ_WINDOW"
-_KEYS = {"codebooks", "m", "m_v", "window"}
+_KEYS = {"codebooks", "m", "m_v", "window", "window_memory"}
 
 
 def default_codebook_path(model_dir: str, m_k: int, m_v: int | None = None) -> str:
@@ -41,6 +44,7 @@ class PQConfig:
     m: int | None  # K subspaces per head; None: take it from the codebook file
     m_v: int | None  # V subspaces per head; None: m when m is given, else the file's
     window: int | None  # None: the default for the block size
+    window_memory: float = DEFAULT_WINDOW_MEMORY  # share of the KV memory (impl.window_rows)
 
     @staticmethod
     def from_sources(additional_config: dict | None, model: str | None) -> PQConfig:
@@ -80,7 +84,11 @@ class PQConfig:
             raise ValueError("pq m_v needs m too (m: K subspaces per head, m_v: V's)")
         if window is not None and window < 0:
             raise ValueError(f"pq window must be >= 0, got {window}")
-        return PQConfig(codebooks=path, m=m, m_v=m_v if m_v is not None else m, window=window)
+        share = float(user.get("window_memory", DEFAULT_WINDOW_MEMORY))
+        if not 0 < share <= 1:
+            raise ValueError(f"pq window_memory must be in (0, 1], got {share}")
+        return PQConfig(codebooks=path, m=m, m_v=m_v if m_v is not None else m, window=window,
+                        window_memory=share)
 
     def codebook_file(self, head_dim: int) -> str:
         if os.path.isdir(self.codebooks):

@@ -43,7 +43,7 @@ class LayerState:
         self.sliding_window = impl.sliding_window
         self.win_k = self.win_v = None
         if self.window > 0:
-            rows = impl.max_num_seqs + 1  # + the scratch row of CUDA-graph padding
+            rows = window_rows(impl, device, dtype) + 1  # + the scratch row (metadata.py)
             shape = (rows, impl.num_kv_heads, self.window, impl.head_size)
             self.win_k = torch.zeros(shape, dtype=dtype, device=device)
             self.win_v = torch.zeros(shape, dtype=dtype, device=device)
@@ -122,7 +122,7 @@ class PQAttentionImpl(AttentionImpl[PQMetadata]):
         configured_m(head_size)  # remembered for vLLM's page sizing
         # vLLM settles the block size after the model is built: read it when first used.
         self._cache_config = vc.cache_config
-        self.max_num_seqs = vc.scheduler_config.max_num_seqs
+        self._vllm_config = vc
         self.max_model_len = vc.model_config.max_model_len
         self.tp_rank, self.tp_size = _tp_rank_size()
         self._state: LayerState | None = None
@@ -188,6 +188,34 @@ class PQAttentionImpl(AttentionImpl[PQMetadata]):
         return output
 
 
+def window_bytes_per_seq(impl: PQAttentionImpl, dtype) -> int:
+    """Window store bytes of one running sequence, all layers."""
+    esz = torch.tensor([], dtype=dtype).element_size()
+    return (2 * impl.num_kv_heads * impl.window * impl.head_size * esz
+            * impl.codebook_info.num_layers)
+
+
+def window_rows(impl: PQAttentionImpl, device, dtype) -> int:
+    """Running sequences the window store has rows for: vLLM's admission limit (the
+    scheduler's ``max_num_active_seqs``, else ``max_num_seqs``), lowered on first use so
+    that the store takes at most ``window_memory`` of the memory vLLM has left for the KV
+    cache, and then written back as ``max_num_active_seqs`` so that the scheduler, which
+    this engine builds after the model, admits no more (metadata.window_row maps vLLM's
+    request rows onto these). The user's ``--max-num-active-seqs`` wins. With several
+    workers the scheduler lives in another process: no lowering there."""
+    sched = impl._vllm_config.scheduler_config
+    if sched.max_num_active_seqs is not None:  # the user's choice, or this engine's first layer's
+        return sched.max_num_active_seqs
+    cap = sched.max_num_seqs
+    if torch.device(device).type != "cuda" or impl._vllm_config.parallel_config.world_size > 1:
+        return cap
+    free, total = torch.cuda.mem_get_info(device)
+    budget = impl._vllm_config.cache_config.gpu_memory_utilization * total - (total - free)
+    rows = max(1, min(cap, int(impl.cfg.window_memory * budget) // window_bytes_per_seq(impl, dtype)))
+    sched.max_num_active_seqs = rows
+    return rows
+
+
 def _tp_rank_size() -> tuple[int, int]:
     try:
         from vllm.distributed import (
@@ -205,17 +233,28 @@ def _log_memory(impl: PQAttentionImpl, st: LayerState) -> None:
     esz = 2  # fp16 / bf16
     per_token = impl.num_kv_heads * st.layout.state_bytes * layers
     dense = 2 * impl.num_kv_heads * impl.head_size * esz * layers
-    win_seq = 2 * impl.num_kv_heads * st.window * impl.head_size * esz * layers
     books = 2 * st.k_cb32.numel() * (4 + esz) * layers
+    if st.window > 0:
+        sched = impl._vllm_config.scheduler_config
+        rows = st.win_k.shape[0] - 1
+        win_seq = window_bytes_per_seq(impl, st.k_cb.dtype)
+        window = (
+            f"Window: {win_seq / 2**20:.2f} MiB per running sequence, "
+            f"{rows * win_seq / 2**30:.2f} GiB for {rows} running sequences"
+            + (f" (at most {impl.cfg.window_memory:g} of the KV memory: vLLM now admits "
+               f"{rows} of max_num_seqs={sched.max_num_seqs}; --max-num-active-seqs N "
+               "chooses)" if rows < sched.max_num_seqs else "")
+            + ", allocated before the KV cache is sized."
+        )
+    else:
+        window = "No window."
     logger.info(
         "vllm_pq_backend: %s, %s, block %d, window %d, %d layers. KV pages: %d B/token "
-        "(dense %s: %d B/token, %.1fx less). Window: %.2f MiB per running sequence, "
-        "%.1f MiB for max_num_seqs=%d, allocated before the KV cache is sized. "
-        "Codebooks: %.1f MiB. Prefill pages (transient, one layer): %.1f MiB.",
+        "(dense %s: %d B/token, %.1fx less). %s Codebooks: %.1f MiB. Prefill pages "
+        "(transient, one layer): %.1f MiB.",
         codebooks.describe_m(impl.head_size, st.layout.m_k, st.layout.m_v),
         f"CUDA kernels ({kernels.load()})" if ops.use_kernels(st.k_cb)
         else "PyTorch reference path (slow)",
         impl.block_size, st.window, layers, per_token, st.k_cb.dtype,
-        dense, dense / per_token, win_seq / 2**20, win_seq * impl.max_num_seqs / 2**20,
-        impl.max_num_seqs, books / 2**20, st.prefill_scratch / 2**20,
+        dense, dense / per_token, window, books / 2**20, st.prefill_scratch / 2**20,
     )

@@ -27,6 +27,16 @@ MAX_QUERY_HEADS_PER_CTA = 8  # the decode kernel's MMA covers 8 query heads
 MIN_PREFILL_PAGE_TOKENS = 65536
 
 
+def window_row(req_idx: np.ndarray, max_num_seqs: int, rows: int) -> np.ndarray:
+    """Window store row of vLLM's request rows (``req_idx``, model runner V2). vLLM hands
+    out request rows last-freed-first from the top (``max_num_seqs - 1`` down), so with at
+    most ``rows`` requests admitted they are the top ``rows`` ones: counted from the top
+    they fit the store. Any other (dummy runs of more requests, CUDA-graph capture) goes
+    to the scratch row ``rows``."""
+    out = max_num_seqs - 1 - req_idx.astype(np.int64)
+    return np.where((out >= 0) & (out < rows), out, rows).astype(np.int32)
+
+
 def prefill_page_tokens(max_model_len: int, block_size: int) -> int:
     """Tokens of history one prefill group may dequantize (at least one longest request):
     bounds the transient bf16 pages of a step whose prefills bring long histories (prefix
@@ -259,9 +269,11 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
         # all layers whose spec carries the window): its layers need padded codes rows.
         self.sliding = getattr(kv_cache_spec, "sliding_window", None) is not None
         sched = vllm_config.scheduler_config
-        # Rows of CUDA-graph padding requests point at the store's scratch row
-        # (max_num_seqs), so their window writes never touch a live request's rows.
-        self.scratch_row = sched.max_num_seqs
+        # The window store has a row per admitted running request (impl.window_rows) and
+        # one more: the scratch row, where CUDA-graph padding requests (and dummy runs)
+        # write, never touching a live request's rows.
+        self.max_num_seqs = sched.max_num_seqs
+        self.scratch_row = sched.max_num_active_seqs or sched.max_num_seqs
         max_len = vllm_config.model_config.max_model_len if vllm_config.model_config else 0
         self.prefill_page_tokens = prefill_page_tokens(max_len, self.block_size)
         size = max(sched.max_num_seqs, sched.max_num_batched_tokens)
@@ -321,7 +333,7 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
                     "window off with --additional-config '{\"pq\": {\"window\": 0}}'."
                 )
             rows = np.full(n, self.scratch_row, dtype=np.int32)
-            real = np.asarray(cam.req_idx[:n], dtype=np.int32)
+            real = window_row(np.asarray(cam.req_idx[:n]), self.max_num_seqs, self.scratch_row)
             rows[: len(real)] = real
             self.req_rows[:n].copy_(torch.from_numpy(rows), non_blocking=True)
             rows_cpu = rows.tolist()

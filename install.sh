@@ -10,8 +10,28 @@ set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
 # a fresh venv may lack setuptools (3.12) or wheel (3.11): the editable install needs both
-$PY -m pip install -q --upgrade pip setuptools wheel
-$PY -m pip install -q -e ".[test]"
+# (installed only where missing: vLLM pins setuptools below the newest)
+$PY -m pip install -q "setuptools>=64" wheel
+if $PY - <<'EOF' 2>/dev/null; then
+import importlib.metadata as m, sys
+sys.exit(not (m.version("vllm") == "0.32.0" and m.version("torch").split("+")[0] == "2.13.0"))
+EOF
+  # vLLM 0.32.0 and torch 2.13.0 are here already (a GPU image, a prepared environment):
+  # leave them and their CUDA libraries as they are; add the package and its other pins.
+  $PY -m pip install -q --no-deps -e .
+  others=$($PY - <<'EOF'
+import importlib.metadata as m
+from packaging.requirements import Requirement
+reqs = [Requirement(r) for r in m.requires("vllm_pq_backend") or []]
+print(" ".join(str(r).split(";")[0] for r in reqs if r.name not in ("vllm", "torch")
+               and (r.marker is None or r.marker.evaluate({"extra": "test"}))))
+EOF
+)
+  $PY -m pip install -q $others
+  echo "install.sh: vLLM 0.32.0 and torch 2.13.0 found: installed the package next to them (and $others)"
+else
+  $PY -m pip install -q -e ".[test]"
+fi
 if $PY -c "import sys, torch; sys.exit(torch.version.cuda is not None)"; then
   $PY -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   echo "install.sh: CPU-only torch: the PyTorch reference path runs (no CUDA kernels); removed vLLM's CUDA builds of torchvision/torchaudio/torchcodec"

@@ -46,7 +46,7 @@ elif command -v nvcc >/dev/null 2>&1; then
     echo "install.sh: error: the CUDA kernels did not build (see build/kernels.log)" >&2
     exit 1
   fi
-  $PY -c "import vllm_pq_backend._C"
+  $PY -c "import torch, vllm_pq_backend._C"  # torch first: it loads libc10 for _C
   echo "install.sh: CUDA kernels built in $(( $(date +%s) - start )) s"
 else
   echo "install.sh: warning: torch is a CUDA build but nvcc is not on PATH: the CUDA kernels are not built and the backend would run its slow PyTorch reference path; put the CUDA toolkit's nvcc on PATH and run install.sh again" >&2

@@ -9,9 +9,10 @@ namespace pq {
 
 // Byte layout inside one (block, KV head) region of a page, filled from
 // vllm_pq_backend/layout.py (PageLayout.kernel_args): K code `m` of token `t` is at
-// k_off + t * k_tok + m; V code `m` of token `t` is at v_off + m * v_sub + t.
+// k_off + t * k_tok + m; V code `m` of token `t` is at v_off + m * v_sub + t. Subspace 0 of
+// a token whose vector is not finite holds nan_code (layout.NAN_CODE).
 struct PageLayout {
-  int k_off, k_tok, v_off, v_sub;
+  int k_off, k_tok, v_off, v_sub, nan_code;
 };
 
 enum class DType { kFloat16 = 0, kBFloat16 = 1 };
@@ -61,7 +62,26 @@ struct DecodeArgs {
   DType dtype;
 };
 
+// y = x T for the rows of one tensor: x, y [rows, heads, D] (activation dtype, dense
+// heads), T [maps, D, D] fp32 row-major; head h uses map h / group. y may be x.
+struct MapJob {
+  const void* x;
+  void* y;
+  const float* t;
+  int64_t x_stride, y_stride;  // elements between rows
+  int heads, group;
+};
+
+constexpr int kMaxMapJobs = 3;
+
+struct MapArgs {
+  MapJob jobs[kMaxMapJobs];
+  int num_jobs, rows, head_dim;
+  DType dtype;
+};
+
 cudaError_t store(const StoreArgs& a, cudaStream_t stream);
+cudaError_t map_rows(const MapArgs& a, cudaStream_t stream);
 cudaError_t decode(const DecodeArgs& a, cudaStream_t stream);
 
 }  // namespace pq

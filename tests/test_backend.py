@@ -257,6 +257,39 @@ def test_builder_on_common_metadata(model_factory):
     assert p.win_pos.tolist() == [39, 6, *range(64, 70)]  # decoded tokens enter the window
 
 
+def test_builder_reads_the_window_store_rows_at_each_build(model_factory):
+    """The store's row count (max_num_active_seqs) is settled when the model first runs,
+    which may come after the builder is made: the scratch row follows it, padding included."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from vllm_pq_backend.backend import PQAttentionBackend
+
+    model = model_factory(64, 4, 2)
+    vc = vllm_config(model, block_size=32, pq={"window": 32, "m": 16})
+    vc.scheduler_config.max_num_seqs = 16
+    vc.scheduler_config.max_num_active_seqs = None
+    with set_current_vllm_config(vc):
+        spec = PQAttentionBackend.customize_spec(
+            FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+        )
+        builder = PQAttentionBackend.get_builder_cls()(spec, ["l0"], vc, torch.device("cpu"))
+    vc.scheduler_config.max_num_active_seqs = 4  # the first layer's store: 4 rows + scratch
+    seq = torch.tensor([40, 7, 9], dtype=torch.int32)
+    qsl = torch.arange(4, dtype=torch.int32)
+    cam = CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq, num_reqs=3,
+        num_actual_tokens=3, max_query_len=1, max_seq_len=40,
+        block_table_tensor=torch.tensor([[3, 4], [5, 0], [6, 0]], dtype=torch.int32),
+        slot_mapping=torch.arange(3), seq_lens_cpu_upper_bound=seq,
+        req_idx=np.array([15, 12]),  # the third request is CUDA-graph padding
+    )
+    md = builder.build(0, cam)
+    assert md.req_rows.tolist() == [0, 3, 4]
+    assert builder.req_rows.unique().tolist() == [0, 3, 4]  # no entry names row 16
+
+
 def test_batch_invariant_plan_makes_each_segment_a_request():
     """Batch-invariant mode, window 32, blocks of 64: every segment becomes a request whose
     pages are its request's pages before the segment's page, then a private copy of that

@@ -206,6 +206,11 @@ def test_store_marks_non_finite_vectors():
         for t, h in rows:
             want[t, h] = True
         assert torch.equal(codes[..., 0] == NAN_CODE, want)
+    # the code comes from the layout's kernel arguments, not a constant of the kernel's own
+    *args, _ = lay.kernel_args()
+    torch.ops.pq_backend.store(cache, key, value, slots, k_cb, v_cb, *args, 7)
+    kc, _ = reference.codes_at(cache, slots, lay)
+    assert (kc[5, 1, 0], kc[9, 0, 0]) == (7, 7)
 
 
 def test_decode_128k_context():
@@ -331,3 +336,57 @@ def test_store_rejects_bad_inputs():
         torch.ops.pq_backend.store(cache, key, key, slots, k_cb, v_cb[:1], *lay.kernel_args())
     with pytest.raises(RuntimeError, match="page layout"):
         torch.ops.pq_backend.store(cache, key, key, slots, k_cb, v_cb, *PageLayout(64, 16, 32).kernel_args())
+
+
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_map_kernel_matches_reference_row_by_row(d, dtype):
+    """q (4 query heads per map), k and v in one launch, rows strided as vLLM's qkv split
+    gives them, against fp64: every element within its 16-bit rounding plus fp32 sums."""
+    gen = torch.Generator().manual_seed(d)
+    n, hkv, g = 37, 2, 4
+    qkv = torch.randn(n, (hkv * g + 2 * hkv) * d, generator=gen).to(DEV, dtype)
+    q = qkv[:, : hkv * g * d].view(n, hkv * g, d)
+    k = qkv[:, hkv * g * d : (hkv * g + hkv) * d].view(n, hkv, d)
+    v = qkv[:, (hkv * g + hkv) * d :].view(n, hkv, d)
+    ts = [(torch.randn(hkv, d, d, generator=gen) / d**0.5).to(DEV) for _ in range(3)]
+    ys = [torch.full(x.shape, float("nan"), dtype=dtype, device=DEV) for x in (q, k, v)]
+    torch.ops.pq_backend.map(ys, [q, k, v], ts)
+    for x, t, y in zip((q, k, v), ts, ys):
+        want = reference.map_rows(t.double(), x.double())
+        bound = torch.matmul(x.double().abs().view(n, hkv, -1, d), t.double().abs()).view_as(want)
+        err = (y.double() - want).abs()
+        # 16-bit rounding of the result, and fp32 sums of d terms
+        ok = err <= want.abs() * 2.0 ** -(8 if dtype == torch.bfloat16 else 11) + bound * d * 2.0**-23
+        assert ok.all(), f"rows {sorted(set(torch.nonzero(~ok)[:, 0].tolist()))[:8]} out of bounds"
+
+
+def test_map_kernel_is_batch_invariant_and_in_place():
+    """A row's result is bitwise the same alone, in any batch, and written in place."""
+    gen = torch.Generator().manual_seed(5)
+    d, h = 128, 8
+    x = torch.randn(300, h, d, generator=gen).to(DEV, torch.bfloat16)
+    t = (torch.randn(2, d, d, generator=gen) / d**0.5).to(DEV)
+    full = torch.empty_like(x)
+    torch.ops.pq_backend.map([full], [x], [t])
+    for rows in (slice(7, 8), slice(0, 1), slice(100, 117), slice(3, 300)):
+        part = torch.empty_like(x[rows])
+        torch.ops.pq_backend.map([part], [x[rows]], [t])
+        assert torch.equal(part, full[rows]), rows
+    y = x.clone()
+    torch.ops.pq_backend.map([y], [y], [t])
+    assert torch.equal(y, full)
+
+
+def test_map_rejects_bad_inputs():
+    x = torch.randn(4, 6, 64, device=DEV, dtype=torch.bfloat16)
+    t = torch.randn(3, 64, 64, device=DEV)
+    torch.ops.pq_backend.map([torch.empty_like(x)], [x], [t])  # fine
+    with pytest.raises(RuntimeError, match=r"T\[0\] must be contiguous"):  # 6 heads, 4 maps
+        torch.ops.pq_backend.map([torch.empty_like(x)], [x], [torch.randn(4, 64, 64, device=DEV)])
+    with pytest.raises(RuntimeError, match=r"T\[0\] must be Float"):
+        torch.ops.pq_backend.map([torch.empty_like(x)], [x], [t.half()])
+    with pytest.raises(RuntimeError, match=r"out\[0\] has shape"):
+        torch.ops.pq_backend.map([x[:3]], [x], [t])
+    with pytest.raises(RuntimeError, match="1 to 3"):
+        torch.ops.pq_backend.map([x] * 4, [x] * 4, [t] * 4)

@@ -6,7 +6,7 @@ import torch
 from vllm.logger import init_logger
 from vllm.v1.attention.backend import AttentionImpl, AttentionLayer, AttentionType
 
-from . import codebooks, kernels, ops
+from . import codebooks, kernels, ops, reference
 from .backend import configured_m
 from .config import PQConfig, current_pq_config
 from .layout import PageLayout
@@ -56,15 +56,30 @@ class LayerState:
         if torch.device(device).type == "cuda":
             torch.empty(self.prefill_scratch, dtype=torch.uint8, device=device)  # freed at once: the peak counts
 
-    def map(self, which: str, x: torch.Tensor) -> torch.Tensor:
-        """``x [n, heads, d]`` through the codebooks' ``which`` map (identity if none);
-        query and output rows use their KV head's map."""
-        t = self.maps[which]
-        if t is None:
-            return x
-        n, h, d = x.shape
-        y = torch.matmul(x.float().view(n, t.shape[0], -1, d), t)  # dense [n, Hkv, g, d]
-        return y.view(n, h, d).to(x.dtype)
+    def map(self, *items: tuple[str, torch.Tensor], inplace: bool = False) -> list[torch.Tensor]:
+        """Each ``(which, x [n, heads, d])`` through the codebooks' ``which`` map (identity
+        if none; query and output rows use their KV head's map). On CUDA one kernel launch
+        for all of them, whose fp32 sums run in a fixed order, so that a token's result
+        does not depend on the rest of the batch (csrc/pq_map.cu); reference.map_rows
+        elsewhere. ``inplace`` writes the results into the ``x``s."""
+        out = [x for _, x in items]
+        todo = [i for i, (which, _) in enumerate(items) if self.maps[which] is not None]
+        if not todo:
+            return out
+        xs = [items[i][1] for i in todo]
+        ts = [self.maps[items[i][0]] for i in todo]
+        if ops.use_kernels(xs[0]):
+            ys = xs if inplace else [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in xs]
+            torch.ops.pq_backend.map(ys, xs, ts)
+        else:
+            ys = [reference.map_rows(t, x) for t, x in zip(ts, xs)]
+            if inplace:
+                for x, y in zip(xs, ys):
+                    x.copy_(y)
+                ys = xs
+        for i, y in zip(todo, ys):
+            out[i] = y
+        return out
 
 
 class PQAttentionImpl(AttentionImpl[PQMetadata]):
@@ -156,7 +171,8 @@ class PQAttentionImpl(AttentionImpl[PQMetadata]):
             return
         st = self.state(layer, key)
         n = slot_mapping.shape[0]
-        ops.store(kv_cache, st.map("key", key[:n]), st.map("value", value[:n]), slot_mapping, st)
+        k, v = st.map(("key", key[:n]), ("value", value[:n]))
+        ops.store(kv_cache, k, v, slot_mapping, st)
 
     def forward(
         self,
@@ -178,13 +194,12 @@ class PQAttentionImpl(AttentionImpl[PQMetadata]):
             return output.zero_()
         n = md.num_actual_tokens
         out = output[:n]
-        q, k, v = st.map("query", query[:n]), st.map("key", key[:n]), st.map("value", value[:n])
+        q, k, v = st.map(("query", query[:n]), ("key", key[:n]), ("value", value[:n]))
         if md.num_decodes:
             ops.decode(out, q, k, v, kv_cache, md, st, self.scale)
         if md.num_prefills:
             ops.prefill(out, q, k, v, kv_cache, md, st, self.scale)
-        if st.maps["output"] is not None:
-            out.copy_(st.map("output", out.view(n, self.num_heads, self.head_size)).view_as(out))
+        st.map(("output", out.view(n, self.num_heads, self.head_size)), inplace=True)
         return output
 
 

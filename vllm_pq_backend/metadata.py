@@ -269,15 +269,13 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
         # all layers whose spec carries the window): its layers need padded codes rows.
         self.sliding = getattr(kv_cache_spec, "sliding_window", None) is not None
         sched = vllm_config.scheduler_config
-        # The window store has a row per admitted running request (impl.window_rows) and
-        # one more: the scratch row, where CUDA-graph padding requests (and dummy runs)
-        # write, never touching a live request's rows.
+        self._sched = sched
         self.max_num_seqs = sched.max_num_seqs
-        self.scratch_row = sched.max_num_active_seqs or sched.max_num_seqs
         max_len = vllm_config.model_config.max_model_len if vllm_config.model_config else 0
         self.prefill_page_tokens = prefill_page_tokens(max_len, self.block_size)
         size = max(sched.max_num_seqs, sched.max_num_batched_tokens)
-        self.req_rows = torch.full((size,), self.scratch_row, dtype=torch.int32, device=device)
+        self.req_rows = torch.empty((size,), dtype=torch.int32, device=device)
+        self._rows_filled_with = None  # the scratch row req_rows' unused entries hold
         dev = torch.device(device)
         self.num_sms = (
             torch.cuda.get_device_properties(dev).multi_processor_count
@@ -309,6 +307,15 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
                 "kernel."
             )
 
+    @property
+    def scratch_row(self) -> int:
+        """The window store's last row, where CUDA-graph padding requests and dummy runs
+        write, never touching a live request's rows. The store has a row per admitted
+        running request (impl.window_rows), a number the first layer settles when the
+        model first runs and writes back as ``max_num_active_seqs``: read at each build,
+        not when this builder is made, whichever of the two vLLM does first."""
+        return self._sched.max_num_active_seqs or self._sched.max_num_seqs
+
     def build(
         self,
         common_prefix_len: int,
@@ -326,14 +333,18 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
         seq_cpu = (seq_cpu if seq_cpu is not None else cam.seq_lens.cpu())[:n]
         rows_cpu = None
         if self.window > 0:
+            scratch = self.scratch_row
+            if self._rows_filled_with != scratch:  # CUDA-graph padding rows read these
+                self.req_rows.fill_(scratch)
+                self._rows_filled_with = scratch
             if cam.req_idx is None:
                 raise RuntimeError(
                     "The PQ residual window needs vLLM's model runner V2 (it gives each "
                     "request a stable row); unset VLLM_USE_V2_MODEL_RUNNER=0, or turn the "
                     "window off with --additional-config '{\"pq\": {\"window\": 0}}'."
                 )
-            rows = np.full(n, self.scratch_row, dtype=np.int32)
-            real = window_row(np.asarray(cam.req_idx[:n]), self.max_num_seqs, self.scratch_row)
+            rows = np.full(n, scratch, dtype=np.int32)
+            real = window_row(np.asarray(cam.req_idx[:n]), self.max_num_seqs, scratch)
             rows[: len(real)] = real
             self.req_rows[:n].copy_(torch.from_numpy(rows), non_blocking=True)
             rows_cpu = rows.tolist()

@@ -82,6 +82,14 @@ def read_codes(kv_cache, blocks, length: int, layout: PageLayout):
     return codes_at(kv_cache, slots, layout)
 
 
+def map_rows(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``x [n, heads, d]`` through the codebooks' maps ``t [maps, d, d]`` (fp32; head ``h``
+    uses map ``h // (heads // maps)``): ``x[r, h] @ t[...]``, back in ``x``'s dtype."""
+    n, h, d = x.shape
+    y = torch.matmul(x.float().view(n, t.shape[0], -1, d), t)  # dense [n, maps, group, d]
+    return y.view(n, h, d).to(x.dtype)
+
+
 def window_write(win_k, win_v, key, value, rows, positions, window: int) -> None:
     """Put rows ``key/value [n, H, d]`` of positions ``positions`` into the window store."""
     if window <= 0 or rows.numel() == 0:

@@ -17,7 +17,8 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
-from . import ops
+from . import codes_attention, ops
+from .codes_attention import CodesPlan, CodesShape
 from .config import PQConfig
 from .layout import window_start
 
@@ -82,6 +83,9 @@ class PrefillPlan:
     fp_dst: torch.Tensor | None = None
     seg_table: torch.Tensor | None = None
     seg_end: torch.Tensor | None = None
+    # the codes part on codes_attention's kernel (few rows per group), else None: on
+    # FlashAttention over the group's dequantized pages
+    codes: CodesPlan | None = None
     win_tokens: torch.Tensor | None = None  # rows written to the window store afterwards
     win_rows: torch.Tensor | None = None
     win_pos: torch.Tensor | None = None
@@ -133,10 +137,12 @@ def plan_prefill(
     device,
     batch_invariant: bool = False,
     pad_codes: bool = False,
+    codes_shape: CodesShape | None = None,
 ) -> PrefillPlan:
     """``pad_codes`` (sliding-window layers): each segment's codes-part rows run on to the
     segment's end with copies of its last row, so that every real row is exactly ``window``
-    after the position FlashAttention aligns it to (ops._prefill_fa)."""
+    after the position FlashAttention aligns it to (ops._prefill_fa). ``codes_shape``:
+    plan the codes part for codes_attention's kernel where it takes it."""
     starts = (qsl - qsl[0]).astype(np.int64)
     q_lens = np.diff(starts)
     lens = seq_lens.astype(np.int64)
@@ -155,6 +161,14 @@ def plan_prefill(
         seq_lens=_i32(lens, device),
         max_k=int(lens.max()),
     )
+    if codes_shape is not None:
+        runs = []  # each request's rows that read codes: positions >= window (all if none)
+        for i in range(n):
+            length, first, tok0 = int(lens[i]), int(lens[i] - q_lens[i]), int(starts[i])
+            a0 = max(first, window) if window > 0 else first
+            if length > a0:
+                runs.append((i, tok0 + a0 - first, length - a0, a0))
+        plan.codes = codes_attention.plan(runs, *codes_shape, device, n, int(lens.max()))
     if window <= 0:
         return plan
     total_q = int(starts[-1])
@@ -212,7 +226,7 @@ def plan_prefill(
 
 
 def plan_prefills(qsl, seq_lens, block_table, block_size, window, rows, device, page_tokens,
-                  batch_invariant=False, pad_codes=False):
+                  batch_invariant=False, pad_codes=False, codes_shape=None):
     """Prefill requests split into consecutive groups whose dequantized pages (padded to
     the group's longest history) stay within ``page_tokens``; one plan per group."""
     plans, i, n = [], 0, len(seq_lens)
@@ -224,7 +238,7 @@ def plan_prefills(qsl, seq_lens, block_table, block_size, window, rows, device, 
             j += 1
         p = plan_prefill(qsl[i : j + 1], seq_lens[i:j], block_table[i:j], block_size, window,
                          rows[i:j] if rows is not None else None, device, batch_invariant,
-                         pad_codes)
+                         pad_codes, codes_shape)
         p.tok_start, p.tok_end = int(qsl[i] - qsl[0]), int(qsl[j] - qsl[0])
         p.req_start, p.req_end = i, j
         plans.append(p)
@@ -290,6 +304,7 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
         )
         group = max(1, q_heads // kv_heads)
         self.ctas_per_split = kv_heads * -(-group // MAX_QUERY_HEADS_PER_CTA)
+        self.codes_shape = CodesShape(group, kv_cache_spec.head_size, kv_heads, self.num_sms)
         self.ws_o = self.ws_lse = None
         if dev.type == "cuda":
             # CUDA graphs pad decode batches up to a capture size, which can pass max_num_seqs
@@ -361,6 +376,7 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
                 self.prefill_page_tokens,
                 self.batch_invariant,
                 self.sliding,
+                None if self.batch_invariant else self.codes_shape,
             )
         return PQMetadata(
             num_reqs=n,

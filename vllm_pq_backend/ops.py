@@ -216,13 +216,34 @@ def _causal_window(state) -> tuple[int, int]:
     return (sw - 1, 0) if sw > 0 else (-1, -1)
 
 
+def _codes_part(p, q, kv_cache, state, scale):
+    """(out fp32, lse) of every row of the group that reads codes, by codes_attention's
+    kernel (``p.codes``: rows no run covers hold garbage)."""
+    from .codes_attention import codes_attention
+
+    c = p.codes
+    return codes_attention(
+        q, kv_cache, p.block_ids.view(p.num_prefills, -1), state.k_cb, state.v_cb,
+        state.layout, c.tiles, c.max_keys, state.window, state.sliding_window, scale,
+        splits=c.splits,
+    )
+
+
 def _prefill_fa(fa, p, out, q, k, v, kv_cache, state, scale) -> None:
+    """Prefill with FlashAttention for the full-precision part and, for the codes part,
+    codes_attention's kernel where the plan chose it (few rows next to the history they
+    read), else FlashAttention over the group's dequantized pages."""
     varlen, fa_version = fa
+    version = fa_version(head_size=q.shape[-1])
     # Pages of a sliding-window layer older than its window may be freed (stale block
     # ids): dequantizing them reads other blocks' codes, which the window then masks.
-    kp, vp = dequant_pages(kv_cache, p.block_ids, state.k_cb, state.v_cb, state.layout)
-    version = fa_version(head_size=q.shape[-1])
-    if p.seg_cu_q is None:  # window 0: one causal call over the pages
+    kp = vp = None
+    if p.codes is None:
+        kp, vp = dequant_pages(kv_cache, p.block_ids, state.k_cb, state.v_cb, state.layout)
+    if p.seg_cu_q is None:  # window 0: every key through its codes, causal
+        if p.codes is not None:
+            out.copy_(_codes_part(p, q, kv_cache, state, scale)[0])
+            return
         varlen(
             q=q, k=kp, v=vp, out=out, cu_seqlens_q=p.cu_q, max_seqlen_q=p.max_q,
             seqused_k=p.seq_lens, max_seqlen_k=p.max_k, softmax_scale=scale, causal=True,
@@ -240,21 +261,25 @@ def _prefill_fa(fa, p, out, q, k, v, kv_cache, state, scale) -> None:
     if p.code_rows.numel() == 0:
         out.copy_(o_fp)
         return
-    # Codes part: every query of a segment sees all keys before the segment start. On a
-    # sliding-window layer query i sees keys j > i - sw only: FlashAttention aligns query
-    # rows to the keys' end, so the plan pads each segment's rows to a whole window
-    # (p.code_real marks the real ones) and every row sits exactly W after its aligned
-    # position; (sw - 1 - W, unbounded) is then the window in absolute positions.
-    sw = state.sliding_window
     rows = p.code_rows if p.code_real is None else p.code_rows[p.code_real]
-    o_c, lse_c = varlen(
-        q=q[p.code_rows], k=kp, v=vp, cu_seqlens_q=p.code_cu_q, max_seqlen_q=p.code_max_q,
-        seqused_k=p.code_len, max_seqlen_k=p.max_k, softmax_scale=scale, causal=False,
-        window_size=(sw - 1 - state.window, -1) if sw > 0 else (-1, -1),
-        block_table=p.page_table[p.code_req], return_softmax_lse=True, fa_version=version,
-    )
-    if p.code_real is not None:
-        o_c, lse_c = o_c[p.code_real], lse_c[:, p.code_real]
+    if p.codes is not None:
+        o_c, lse_c = _codes_part(p, q, kv_cache, state, scale)
+        o_c, lse_c = o_c[rows], lse_c[:, rows]
+    else:
+        # Codes part: every query of a segment sees all keys before the segment start. On
+        # a sliding-window layer query i sees keys j > i - sw only: FlashAttention aligns
+        # query rows to the keys' end, so the plan pads each segment's rows to a whole
+        # window (p.code_real marks the real ones) and every row sits exactly W after its
+        # aligned position; (sw - 1 - W, unbounded) is then the window in absolute positions.
+        sw = state.sliding_window
+        o_c, lse_c = varlen(
+            q=q[p.code_rows], k=kp, v=vp, cu_seqlens_q=p.code_cu_q, max_seqlen_q=p.code_max_q,
+            seqused_k=p.code_len, max_seqlen_k=p.max_k, softmax_scale=scale, causal=False,
+            window_size=(sw - 1 - state.window, -1) if sw > 0 else (-1, -1),
+            block_table=p.page_table[p.code_req], return_softmax_lse=True, fa_version=version,
+        )
+        if p.code_real is not None:
+            o_c, lse_c = o_c[p.code_real], lse_c[:, p.code_real]
     out.copy_(o_fp)
     out[rows] = _merge(o_fp[rows], lse_fp[:, rows], o_c, lse_c).to(out.dtype)
 

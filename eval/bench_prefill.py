@@ -25,8 +25,10 @@ import random
 import sys
 import time
 
-from bench_e2e import make_model_dir  # eval/ is the script's directory
+from bench_e2e import append_rows, engine_backend, make_model_dir  # eval/: the script's folder
 from provenance import provenance
+
+from vllm_pq_backend.layout import bits_of
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 LENGTHS = (1024, 4096, 16384, 32768)
@@ -54,16 +56,8 @@ def run(args) -> list[dict]:
     kw = dict(model=model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
               max_model_len=args.long + 16, gpu_memory_utilization=args.gpu_memory_utilization,
               enable_prefix_caching=True, seed=0)
-    name = args.backend
-    if args.backend == "CUSTOM":
-        kw.update(attention_backend="CUSTOM", additional_config={"pq": {"m": args.m}})
-        name = f"CUSTOM {8 * args.m // 128} bits"
-    elif args.backend == "TURBOQUANT":
-        kw.update(kv_cache_dtype="turboquant_4bit_nc")
-        name = "TURBOQUANT 4bit_nc"
-    else:
-        kw.update(attention_backend=args.backend)
-    llm = LLM(**kw)
+    backend_kw, name = engine_backend(args.backend, args.m)
+    llm = LLM(**kw, **backend_kw)
     sched = llm.llm_engine.vllm_config.scheduler_config
     rows = []
 
@@ -89,7 +83,7 @@ def run(args) -> list[dict]:
             dt = timed(llm, [prompt(args.suffix, prefix) for _ in range(args.hits)])
         emit(case="prefix-hit", prefix_tokens=prefix_len, suffix_tokens=args.suffix,
              batch=args.hits, seconds=round(dt, 4), prompt_tok_s=round(args.hits * args.suffix / dt))
-    stamp = dict(provenance(), bits=8 * args.m // 128 if args.backend == "CUSTOM" else None,
+    stamp = dict(provenance(), bits=bits_of(128, args.m) if args.backend == "CUSTOM" else None,
                  gpu_memory_utilization=args.gpu_memory_utilization)
     return [dict(r, **stamp) for r in rows]
 
@@ -132,12 +126,7 @@ def main() -> int:
         return 0
     if args.backend is None:
         p.error("--backend is required (or --table)")
-    rows = run(args)
-    old = json.load(open(args.out))["rows"] if os.path.exists(args.out) else []
-    keep = [r for r in old if r["backend"] not in {x["backend"] for x in rows}]
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"rows": keep + rows}, f, indent=1)
+    append_rows(args.out, run(args))
     print(table(args.out))
     return 0
 

@@ -82,16 +82,9 @@ def _codes_attention_kernel(
     else:
         klo = pos * 0
     kend = tl.where(live, kend, 0)
-    last = pos0 + nrows - 1
-    if WINDOW > 0:
-        hi = (last // WINDOW) * WINDOW
-    else:
-        hi = last + 1
-    if SLIDING > 0:
-        lo = tl.maximum(pos0 - SLIDING + 1, 0)
-    else:
-        lo = 0
-    lo = (lo // BLOCK_N) * BLOCK_N + split * split_keys
+    # the keys any row of the tile reads (klo < kend: W < sliding window), this split's part
+    hi = tl.max(kend, axis=0)
+    lo = (tl.min(tl.where(live, klo, hi), axis=0) // BLOCK_N) * BLOCK_N + split * split_keys
     hi = tl.minimum(hi, lo + split_keys)
 
     d = tl.arange(0, HEAD_DIM)

@@ -316,7 +316,11 @@ def test_batch_invariant_plan_makes_each_segment_a_request():
     assert (p.fp_src.numel(), p.fp_dst.numel()) == (78, 78)
     assert plan_prefills(qsl, seq, table, 64, 32, rows, "cpu", 1 << 16)[0].seg_table is None
 
-def test_speculative_decoding_is_rejected_at_start_up(model_factory):
+@pytest.mark.parametrize("method,draft_kv", [("ngram", False), ("suffix", False),
+                                             ("eagle", True), ("draft_model", True)])
+def test_speculative_decoding_without_draft_attention_only(model_factory, method, draft_kv):
+    """Drafts that need no KV cache (n-gram, suffix, ...) are served; draft models with
+    attention layers, which would need codebooks of their own, are refused at start-up."""
     import types
 
     from vllm.config import set_current_vllm_config
@@ -324,9 +328,14 @@ def test_speculative_decoding_is_rejected_at_start_up(model_factory):
     from vllm_pq_backend.impl import PQAttentionImpl
 
     vc = vllm_config(model_factory(64, 4, 2), block_size=64, pq={})
-    object.__setattr__(vc, "speculative_config", types.SimpleNamespace(method="ngram"))
-    with set_current_vllm_config(vc), pytest.raises(NotImplementedError, match="speculative"):
-        PQAttentionImpl(4, 64, 0.125, 2)
+    spec = types.SimpleNamespace(method=method, uses_draft_kv_cache=lambda: draft_kv)
+    object.__setattr__(vc, "speculative_config", spec)
+    with set_current_vllm_config(vc):
+        if draft_kv:
+            with pytest.raises(NotImplementedError, match=f"not '{method}'"):
+                PQAttentionImpl(4, 64, 0.125, 2)
+        else:
+            assert PQAttentionImpl(4, 64, 0.125, 2).num_kv_heads == 2
 
 
 def test_missing_kernels_on_a_gpu_fail_with_the_fix(monkeypatch):

@@ -120,13 +120,15 @@ class PQAttentionImpl(AttentionImpl[PQMetadata]):
         from vllm.config import get_current_vllm_config
 
         vc = get_current_vllm_config()
-        if vc.speculative_config is not None:
-            # Verification steps are multi-token queries: they would take the prefill path,
-            # which dequantizes every request's whole history in every layer at every step.
+        spec = vc.speculative_config
+        if spec is not None and spec.uses_draft_kv_cache():
+            # Verification steps are multi-token queries on the prefill path, whose codes
+            # part reads the history through codes (codes_attention). Draft models with
+            # attention layers of their own would need codebooks of their own.
             raise NotImplementedError(
-                "The CUSTOM (PQ) backend does not support speculative decoding yet: each "
-                "verification step would dequantize the whole history; run without "
-                "--speculative-config."
+                f"The CUSTOM (PQ) backend supports speculative decoding whose drafts need no "
+                f"KV cache (ngram, ngram_gpu, suffix, medusa, mlp_speculator), not "
+                f"{spec.method!r}: its draft layers would need PQ codebooks of their own."
             )
         self.cfg: PQConfig = current_pq_config()
         self.codebook_info = codebooks.read_info(self.cfg.codebook_file(head_size))

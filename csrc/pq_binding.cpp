@@ -106,7 +106,7 @@ void store(Tensor kv_cache, const Tensor& key, const Tensor& value, const Tensor
 void decode(Tensor out, const Tensor& q, const Tensor& kv_cache, const Tensor& block_table,
             const Tensor& seq_lens, const Tensor& k_cb, const Tensor& v_cb, const Tensor& win_k,
             const Tensor& win_v, const Tensor& rows, int64_t window, int64_t sliding_window,
-            int64_t num_splits, double scale, bool lut, Tensor ws_o, Tensor ws_lse, int64_t k_off,
+            int64_t num_splits, int64_t num_ctas, double scale, bool lut, Tensor ws_o, Tensor ws_lse, int64_t k_off,
             int64_t k_tok, int64_t v_off, int64_t v_sub, int64_t nan_code) {
   const at::Device dev = q.device();
   TORCH_CHECK(dev.is_cuda(), "vllm_pq_backend: q must be a CUDA tensor");
@@ -176,6 +176,7 @@ void decode(Tensor out, const Tensor& q, const Tensor& kv_cache, const Tensor& b
   a.m_k = static_cast<int>(m_k);
   a.m_v = static_cast<int>(m_v);
   a.num_splits = static_cast<int>(num_splits);
+  a.num_ctas = static_cast<int>(num_ctas);
   a.scale = static_cast<float>(scale);
   a.lut = lut;
   a.ws_o = ws_o.data_ptr<float>();
@@ -231,7 +232,7 @@ TORCH_LIBRARY(pq_backend, m) {
   m.def(
       "decode(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
       "Tensor k_cb, Tensor v_cb, Tensor win_k, Tensor win_v, Tensor rows, int window, "
-      "int sliding_window, int num_splits, float scale, bool lut, Tensor(b!) ws_o, Tensor(c!) ws_lse, int k_off, int k_tok, "
+      "int sliding_window, int num_splits, int num_ctas, float scale, bool lut, Tensor(b!) ws_o, Tensor(c!) ws_lse, int k_off, int k_tok, "
       "int v_off, int v_sub, int nan_code) -> ()");
 }
 

@@ -55,6 +55,8 @@ struct DecodeArgs {
   int sliding_window;  // > 0: a query at position i reads keys j > i - sliding_window only
   int num_reqs, num_heads, num_kv_heads, head_dim, m_k, m_v;
   int num_splits;  // splits of the codes; the last one also reads the window
+  int num_ctas;    // CTAs per KV-head group, each taking every num_ctas-th (request, split)
+                   // item; <= 0: one per item
   float scale;
   bool lut;       // score through Q.centroid lookup tables where supported (see pq_decode.cuh)
   float* ws_o;    // [R, Hq, num_splits, D]

@@ -55,15 +55,17 @@ def paged_case(lens, *, d, m, g, hkv, block, dtype, window, seed, lut=False, m_v
     return case
 
 
-def run_kernel(c, splits):
+def run_kernel(c, splits, ctas=0):
+    """``ctas`` CTAs per KV-head group taking the (request, split) items in turn; 0: a CTA
+    per item."""
     r, hq, d = c["q"].shape
     out = torch.full_like(c["q"], float("nan"))
     ws_o = torch.full((r * hq * splits * d,), float("nan"), device=DEV)
     ws_lse = torch.full((r * hq * splits,), float("nan"), device=DEV)
     torch.ops.pq_backend.decode(
         out, c["q"], c["cache"], c["table"], c["seq"], c["k_cb"], c["v_cb"], c["win_k"],
-        c["win_v"], c["rows"], c["window"], c["sliding"], splits, c["scale"], c["lut"], ws_o,
-        ws_lse, *c["lay"].kernel_args(),
+        c["win_v"], c["rows"], c["window"], c["sliding"], splits, ctas, c["scale"], c["lut"],
+        ws_o, ws_lse, *c["lay"].kernel_args(),
     )
     return out
 
@@ -85,8 +87,8 @@ def row_errors(out, ref):
     return ((out.float() - ref).norm(dim=-1) / ref.norm(dim=-1)).flatten()
 
 
-def check(c, splits, tol):
-    out = run_kernel(c, splits)
+def check(c, splits, tol, ctas=0):
+    out = run_kernel(c, splits, ctas)
     ref = run_reference(c)
     assert not torch.isnan(out).any(), "unwritten (NaN) output"
     err = row_errors(out, ref)
@@ -142,6 +144,22 @@ def test_decode_any_split_count(splits):
     c = paged_case(MIXED, d=128, m=64, g=4, hkv=2, block=64, dtype=torch.bfloat16, window=64,
                    seed=splits)
     check(c, splits=splits, tol=TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("ctas", [1, 3, 8, 1000])
+@pytest.mark.parametrize("d,g,lut", [(128, 4, False), (64, 1, True), (64, 3, False), (256, 2, False)])
+def test_decode_ctas_take_items_in_turn(ctas, d, g, lut):
+    """Fewer CTAs than (request, split) items: each CTA keeps its codebooks (a LUT is
+    rebuilt per request) and takes items in turn, empty ones and window-only ones among
+    them; the results are those of a CTA per item, bitwise."""
+    c = paged_case(MIXED + [0], d=d, m=d // 2, g=g, hkv=2, block=64, dtype=torch.bfloat16,
+                   window=64, seed=ctas + d, lut=lut)
+    c["seq"][-1] = 0  # a padding request: no keys at all
+    want = run_kernel(c, splits=3)
+    got = run_kernel(c, splits=3, ctas=ctas)
+    assert torch.equal(got[:-1], want[:-1])
+    c["seq"][-1] = 1
+    check(c, splits=3, tol=TOL[torch.bfloat16], ctas=ctas)
 
 
 @pytest.mark.parametrize("g,lut", [(4, False), (1, True)])
@@ -228,7 +246,7 @@ def test_decode_replays_in_a_cuda_graph():
     ws_o = torch.empty(r * hq * 5 * d, device=DEV)
     ws_lse = torch.empty(r * hq * 5, device=DEV)
     args = lambda: (out, c["q"], c["cache"], c["table"], c["seq"], c["k_cb"], c["v_cb"],  # noqa: E731
-                    c["win_k"], c["win_v"], c["rows"], 128, 0, 4, c["scale"], False, ws_o,
+                    c["win_k"], c["win_v"], c["rows"], 128, 0, 4, 3, c["scale"], False, ws_o,
                     ws_lse, *c["lay"].kernel_args())
     torch.ops.pq_backend.decode(*args())  # warm up outside the capture
     graph = torch.cuda.CUDAGraph()
@@ -286,7 +304,7 @@ def _decode_args(c, **over):
     r, hq, d = c["q"].shape
     args = dict(out=torch.empty_like(c["q"]), q=c["q"], cache=c["cache"], table=c["table"],
                 seq=c["seq"], k_cb=c["k_cb"], v_cb=c["v_cb"], win_k=c["win_k"], win_v=c["win_v"],
-                rows=c["rows"], window=c["window"], sliding=0, splits=2, scale=c["scale"], lut=False,
+                rows=c["rows"], window=c["window"], sliding=0, splits=2, ctas=0, scale=c["scale"], lut=False,
                 ws_o=torch.empty(r * hq * 3 * d, device=DEV), ws_lse=torch.empty(r * hq * 3, device=DEV))
     args.update(over)
     return list(args.values()) + list(c["lay"].kernel_args())

@@ -111,6 +111,7 @@ class PQMetadata(AttentionMetadata):
     req_rows: torch.Tensor | None
     req_rows_cpu: list[int] | None
     num_splits: int
+    num_ctas: int  # decode kernel CTAs per KV-head group (ops.num_ctas_for)
     prefills: list[PrefillPlan]
     batch_invariant: bool = False  # VLLM_BATCH_INVARIANT=1, see PQMetadataBuilder
     # the decode kernel's split results (fp32), the builder's: one per engine and KV cache
@@ -393,6 +394,7 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
             req_rows=self.req_rows[:n],
             req_rows_cpu=rows_cpu,
             num_splits=ops.num_splits_for(nd, self.ctas_per_split, self.num_sms),
+            num_ctas=ops.num_ctas_for(self.ctas_per_split, self.num_sms),
             prefills=prefills,
             batch_invariant=self.batch_invariant,
             ws_o=self.ws_o,

@@ -73,6 +73,13 @@ def workspace_slots(max_decodes: int, ctas_per_split: int, num_sms: int, q_heads
                for n in range(1, max_decodes + 1))
 
 
+def num_ctas_for(ctas_per_split: int, num_sms: int) -> int:
+    """Decode kernel CTAs per KV-head group: one wave of the GPU (a CTA per SM, as the
+    codebooks fill its shared memory), each taking its (request, split) items in turn and
+    loading the codebooks once rather than once per item."""
+    return max(1, num_sms // max(1, ctas_per_split))
+
+
 def num_splits_for(num_decodes: int, ctas_per_split: int, num_sms: int) -> int:
     """Codes splits per (request, KV head group), from the batch alone (so a CUDA graph
     captured for a batch size is right for any context; empty splits exit early).
@@ -125,7 +132,7 @@ def decode(out, query, key, value, kv_cache, md, state, scale: float) -> None:
             state.k_cb, state.v_cb,
             state.win_k if w > 0 else empty, state.win_v if w > 0 else empty,
             md.req_rows[:nd] if w > 0 else md.seq_lens.new_empty(0),
-            w, state.sliding_window, md.num_splits, scale,
+            w, state.sliding_window, md.num_splits, md.num_ctas, scale,
             lut_scores(hq, state.k_cb.shape[0], state.d, state.layout.m_k),
             ws_o, ws_lse, *state.layout.kernel_args(),
         )

@@ -441,3 +441,29 @@ def test_each_tensor_parallel_rank_loads_its_own_kv_heads(tmp_path, monkeypatch,
     k_mine = st.k_cb32[:, 1:]  # subspace 0 carries the NaN marker
     assert torch.equal(k_mine, k_all[want, 1:]) and torch.equal(st.v_cb32[:, 1:], v_all[want, 1:])
     assert torch.equal(st.maps["key"], tk_all[want])
+
+
+@pytest.mark.parametrize("window,block,pad_codes,batch_invariant", [
+    (32, 64, False, False), (64, 64, True, False), (32, 128, False, True), (128, 128, True, True)])
+def test_segment_plan_matches_the_plain_loops(window, block, pad_codes, batch_invariant):
+    """metadata._segments (numpy over all segments) gives the arrays of the plain loops
+    (helpers.plan_segments_loops) on random chunks: fresh prompts, continuations, single
+    tokens, chunks that start and end inside windows."""
+    from helpers import plan_segments_loops
+
+    from vllm_pq_backend.metadata import _segments
+
+    rng = np.random.default_rng(window + block)
+    for _ in range(30):
+        n = int(rng.integers(1, 7))
+        q_lens = rng.integers(1, 400, n)
+        lens = q_lens + rng.choice([0, 1, 31, 32, 33, 500], n)
+        starts = np.concatenate([[0], np.cumsum(q_lens)])
+        rows = rng.permutation(64)[:n]
+        nb = int(-(-lens.max() // block))
+        args = (starts, q_lens, lens, rows, window, block, nb, batch_invariant, pad_codes)
+        got, want = _segments(*args), plan_segments_loops(*args)
+        for g, w in zip(got, want):
+            assert g.keys() == w.keys()
+            for k in w:
+                assert np.array_equal(np.asarray(g[k]), np.asarray(w[k])), k

@@ -145,11 +145,11 @@ def plan_tiles(req, row0, rows, pos0, group: int, head_dim: int) -> tuple[np.nda
     """Per-request runs of query rows (request index, first row, row count, position of
     the first row) cut into tiles of ``rows_per_tile`` rows: four int32 arrays."""
     per = rows_per_tile(group, head_dim)
-    out = [[], [], [], []]
-    for q, a, n, p in zip(req, row0, rows, pos0):
-        for t in range(0, n, per):
-            for lst, x in zip(out, (q, a + t, min(per, n - t), p + t)):
-                lst.append(x)
+    rows = np.asarray(rows, dtype=np.int64)
+    nt = -(-rows // per)
+    at = per * (np.arange(nt.sum()) - np.repeat(np.cumsum(nt) - nt, nt))  # row offset in run
+    out = (np.repeat(req, nt), np.repeat(row0, nt) + at,
+           np.minimum(per, np.repeat(rows, nt) - at), np.repeat(pos0, nt) + at)
     return tuple(np.asarray(x, dtype=np.int32) for x in out)
 
 

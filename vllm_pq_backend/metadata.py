@@ -163,67 +163,86 @@ def plan_prefill(
         max_k=int(lens.max()),
     )
     if codes_shape is not None:
-        runs = []  # each request's rows that read codes: positions >= window (all if none)
-        for i in range(n):
-            length, first, tok0 = int(lens[i]), int(lens[i] - q_lens[i]), int(starts[i])
-            a0 = max(first, window) if window > 0 else first
-            if length > a0:
-                runs.append((i, tok0 + a0 - first, length - a0, a0))
+        # each request's rows that read codes: positions >= window (all without one)
+        first = lens - q_lens
+        a0 = np.maximum(first, window) if window > 0 else first
+        keep = lens > a0
+        runs = list(zip(*(x[keep].tolist() for x in (
+            np.arange(n), starts[:-1] + a0 - first, lens - a0, a0))))
         plan.codes = codes_attention.plan(runs, *codes_shape, device, n, int(lens.max()))
     if window <= 0:
         return plan
-    total_q = int(starts[-1])
-    seg_q, seg_k, fp_src, st_rows, st_slots = [0], [0], [], [], []
-    code_rows, code_real, code_q, code_len, code_req = [], [], [0], [], []
-    seg_page, fp_dst, seg_end = [], [], []
-    win_tok, win_rows, win_pos = [], [], []
-    for i in range(n):
-        length, first, tok0 = int(lens[i]), int(lens[i] - q_lens[i]), int(starts[i])
-        for g0 in range(window_start(first, window), length, window):
-            a, e = max(first, g0), min(length, g0 + window)
-            seg_q.append(seg_q[-1] + e - a)
-            n_store = max(0, first - g0)  # earlier tokens of this segment
-            fp_src.extend(range(total_q + len(st_rows), total_q + len(st_rows) + n_store))
-            st_rows.extend([rows[i]] * n_store)
-            st_slots.extend(range(g0 % window, g0 % window + n_store))
-            fp_src.extend(range(tok0 + max(0, g0 - first), tok0 + e - first))
-            seg_k.append(seg_k[-1] + e - g0)
-            if g0 > 0:
-                code_real.extend(range(len(code_rows), len(code_rows) + e - a))
-                code_rows.extend(range(tok0 + a - first, tok0 + e - first))
-                pad = g0 + window - e if pad_codes else 0
-                code_rows.extend([tok0 + e - 1 - first] * pad)
-                code_q.append(code_q[-1] + e - a + pad)
-                code_len.append(g0)
-                code_req.append(i)
-            if batch_invariant:
-                s0 = len(seg_page) * block_size + g0 % block_size
-                fp_dst.extend(range(s0, s0 + e - g0))
-                seg_page.append(i * nb + g0 // block_size)
-                seg_end.append(e)
-        last = max(first, window_start(length - 1, window))
-        win_tok.extend(range(tok0 + last - first, tok0 + length - first))
-        win_rows.extend([rows[i]] * (length - last))
-        win_pos.extend(range(last, length))
-    i32 = dict(seg_cu_q=seg_q, seg_cu_k=seg_k, code_cu_q=code_q, code_len=code_len)
-    i64 = dict(fp_src=fp_src, store_rows=st_rows, store_slots=st_slots, code_rows=code_rows,
-               code_req=code_req, win_tokens=win_tok, win_rows=win_rows, win_pos=win_pos)
-    if pad_codes:
-        i64.update(code_real=code_real)
-    if batch_invariant:
-        pages = np.asarray(seg_page, dtype=np.int64)
-        table = pages_of[pages // nb]  # a copy: the request's pages, its segment's page
-        table[np.arange(len(pages)), pages % nb] = n * nb + np.arange(len(pages))  # -> copy
-        i32.update(seg_table=table, seg_end=seg_end)
-        i64.update(seg_page=pages, fp_dst=fp_dst)
+    i32, i64 = _segments(starts, q_lens, lens, np.asarray(rows, dtype=np.int64), window,
+                         block_size, nb, batch_invariant, pad_codes)
     for name, x in i32.items():
         setattr(plan, name, _i32(x, device))
     for name, x in i64.items():
         setattr(plan, name, _i64(x, device))
-    plan.seg_max_q = int(np.diff(seg_q).max())
-    plan.code_max_q = int(np.diff(code_q).max()) if len(code_q) > 1 else 0
-    plan.seg_max_k = int(np.diff(seg_k).max())
+    plan.seg_max_q = int(np.diff(i32["seg_cu_q"]).max())
+    plan.code_max_q = int(np.diff(i32["code_cu_q"]).max()) if len(i32["code_cu_q"]) > 1 else 0
+    plan.seg_max_k = int(np.diff(i32["seg_cu_k"]).max())
     return plan
+
+
+def _runs(starts, counts, steps=1) -> np.ndarray:
+    """Concatenated arithmetic runs ``starts[i] + steps[i] * (0 .. counts[i] - 1)``."""
+    counts = np.asarray(counts, dtype=np.int64)
+    at = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+    steps = np.broadcast_to(np.asarray(steps, dtype=np.int64), counts.shape)
+    return np.repeat(np.asarray(starts, dtype=np.int64), counts) + at * np.repeat(steps, counts)
+
+
+def _pairs(x, y) -> np.ndarray:
+    """[x0, y0, x1, y1, ...]: two pieces per segment, in order."""
+    x, y = np.broadcast_arrays(np.asarray(x, dtype=np.int64), np.asarray(y, dtype=np.int64))
+    return np.stack([x, y], axis=1).reshape(-1)
+
+
+def _cum0(x) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(x)]).astype(np.int64)
+
+
+def _segments(starts, q_lens, lens, rows, window, block_size, nb, batch_invariant, pad_codes):
+    """The window segments of each request's rows (layout.window_start): segment ``g0``
+    holds positions ``[g0, g0 + W)``; its rows attend causally to its full-precision keys
+    (this chunk's rows and, in the first, earlier steps' window store entries) and, when
+    ``g0 > 0``, to keys ``[0, g0)`` through codes. Numpy over all segments at once (a
+    Python loop over them took milliseconds a step at a few long prompts): the int32 and
+    int64 arrays of PrefillPlan's window fields, by name."""
+    n, w, total_q = len(lens), window, int(starts[-1])
+    first = lens - q_lens
+    ws = (first // w) * w
+    nseg = -(-(lens - ws) // w)
+    req = np.repeat(np.arange(n), nseg)
+    g0 = ws[req] + w * (np.arange(nseg.sum()) - np.repeat(np.cumsum(nseg) - nseg, nseg))
+    f, tok0 = first[req], starts[:-1][req]
+    a, e = np.maximum(f, g0), np.minimum(lens[req], g0 + w)
+    n_store = np.maximum(0, f - g0)  # earlier tokens of this segment (its first only)
+    # keys of each segment: its store entries (indexed after the chunk's rows), then rows
+    fp_src = _runs(_pairs(total_q + _cum0(n_store)[:-1], tok0 + np.maximum(0, g0 - f)),
+                   _pairs(n_store, e - a))
+    c = g0 > 0  # segments with a codes part
+    real = (e - a)[c]
+    pad = (g0 + w - e)[c] if pad_codes else np.zeros_like(real)
+    code_q = _cum0(real + pad)
+    code_rows = _runs(_pairs((tok0 + a - f)[c], (tok0 + e - 1 - f)[c]), _pairs(real, pad),
+                      _pairs(np.ones_like(real), 0))  # the real rows, then copies of the last
+    last = np.maximum(first, ((lens - 1) // w) * w)  # rows that end in the window store
+    i32 = dict(seg_cu_q=_cum0(e - a), seg_cu_k=_cum0(e - g0), code_cu_q=code_q,
+               code_len=g0[c])
+    i64 = dict(fp_src=fp_src, store_rows=np.repeat(rows[req], n_store),
+               store_slots=_runs(g0 % w, n_store), code_rows=code_rows, code_req=req[c],
+               win_tokens=_runs(starts[:-1] + last - first, lens - last),
+               win_rows=np.repeat(rows, lens - last), win_pos=_runs(last, lens - last))
+    if pad_codes:
+        i64.update(code_real=_runs(code_q[:-1], real))
+    if batch_invariant:
+        pages = req * nb + g0 // block_size
+        table = np.arange(n * nb).reshape(n, nb)[req]  # the request's pages, its segment's page
+        table[np.arange(len(pages)), pages % nb] = n * nb + np.arange(len(pages))  # -> copy
+        i32.update(seg_table=table, seg_end=e)
+        i64.update(seg_page=pages, fp_dst=_runs(np.arange(len(pages)) * block_size + g0 % block_size, e - g0))
+    return i32, i64
 
 
 def plan_prefills(qsl, seq_lens, block_table, block_size, window, rows, device, page_tokens,

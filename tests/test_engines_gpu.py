@@ -1,7 +1,6 @@
 """Whole vLLM engines on a tiny random Llama (head_dim 64) with random codebooks: two
 engines with different M and window alive in one process stay independent. Needs a GPU."""
 
-import os
 
 import pytest
 import torch

@@ -20,7 +20,6 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from . import codes_attention, ops
 from .codes_attention import CodesPlan, CodesShape
 from .config import PQConfig
-from .layout import window_start
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler, see __init__
 

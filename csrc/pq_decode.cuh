@@ -4,8 +4,8 @@
 // codebooks into shared memory once, then takes the (request, split) items blockIdx.x,
 // + num_ctas, ... in turn (num_ctas CTAs per head group fill the GPU once; a CTA per item
 // reloaded the codebooks, as many bytes as a 1K-token split's codes, for every item). Its
-// warps take 32-token chunks of the item's split. The codes of a KV head are read once for all its query
-// heads: scores are S = K^ Q^T with K^ dequantized from the shared-memory codebook
+// warps take 32-token chunks of the item's split. The codes of a KV head are read once
+// for all its query heads: scores are S = K^ Q^T with K^ dequantized from the codebook
 // straight into mma.m16n8k16 A fragments (16 tokens x 16 dims, 8 query heads as N), and
 // O^T += V^T P with V^ dequantized into A fragments through the transposed V page layout.
 // With LUT (one query head per KV head only) scores are instead sums of M entries of a

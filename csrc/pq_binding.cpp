@@ -105,7 +105,8 @@ void store(Tensor kv_cache, const Tensor& key, const Tensor& value, const Tensor
 
 void decode(Tensor out, const Tensor& q, const Tensor& kv_cache, const Tensor& block_table,
             const Tensor& seq_lens, const Tensor& k_cb, const Tensor& v_cb, const Tensor& win_k,
-            const Tensor& win_v, const Tensor& rows, int64_t window, int64_t sliding_window,
+            const Tensor& win_v, const Tensor& rows, const Tensor& new_k, const Tensor& new_v,
+            int64_t window, int64_t sliding_window,
             int64_t num_splits, int64_t num_ctas, double scale, bool lut, Tensor ws_o, Tensor ws_lse, int64_t k_off,
             int64_t k_tok, int64_t v_off, int64_t v_sub, int64_t nan_code) {
   const at::Device dev = q.device();
@@ -168,6 +169,19 @@ void decode(Tensor out, const Tensor& q, const Tensor& kv_cache, const Tensor& b
     a.win_k = win_k.data_ptr();
     a.win_v = win_v.data_ptr();
     a.rows = rows.data_ptr<int32_t>();
+    if (new_k.numel() > 0) {  // this step's keys and values go into the window first
+      check(new_k, "new_k", dev, {-1, kv_heads, d});
+      check(new_v, "new_v", dev, {new_k.size(0), kv_heads, d});
+      check_dtype(new_k, "new_k", q.scalar_type());
+      check_dtype(new_v, "new_v", q.scalar_type());
+      TORCH_CHECK(new_k.size(0) >= reqs && new_k.stride(2) == 1 && new_k.stride(1) == d && new_v.stride(2) == 1 &&
+                      new_v.stride(1) == d,
+                  "vllm_pq_backend: new_k and new_v must be [>= ", reqs, ", kv_heads, head_dim] with dense heads");
+      a.new_k = new_k.data_ptr();
+      a.new_v = new_v.data_ptr();
+      a.new_k_stride = new_k.stride(0);
+      a.new_v_stride = new_v.stride(0);
+    }
   }
   a.num_reqs = static_cast<int>(reqs);
   a.num_heads = static_cast<int>(heads);
@@ -231,9 +245,10 @@ TORCH_LIBRARY(pq_backend, m) {
       "Tensor v_cb, int k_off, int k_tok, int v_off, int v_sub, int nan_code) -> ()");
   m.def(
       "decode(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
-      "Tensor k_cb, Tensor v_cb, Tensor win_k, Tensor win_v, Tensor rows, int window, "
-      "int sliding_window, int num_splits, int num_ctas, float scale, bool lut, Tensor(b!) ws_o, Tensor(c!) ws_lse, int k_off, int k_tok, "
-      "int v_off, int v_sub, int nan_code) -> ()");
+      "Tensor k_cb, Tensor v_cb, Tensor(d!) win_k, Tensor(e!) win_v, Tensor rows, Tensor new_k, "
+      "Tensor new_v, int window, int sliding_window, int num_splits, int num_ctas, float scale, "
+      "bool lut, Tensor(b!) ws_o, Tensor(c!) ws_lse, int k_off, int k_tok, int v_off, int v_sub, "
+      "int nan_code) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pq_backend, CUDA, m) {

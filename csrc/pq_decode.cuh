@@ -284,6 +284,16 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
       const int64_t row = ((int64_t)a.rows[req] * a.num_kv_heads + hkv) * a.window * D;
       cta.wk = static_cast<const T*>(a.win_k) + row;
       cta.wv = static_cast<const T*>(a.win_v) + row;
+      if (a.new_k != nullptr) {
+        // This step's key and value into their window slot, which this item reads below
+        // (a CTA of each head group writes the same bytes).
+        const int64_t at = row + (int64_t)(len - 1 - n_codes) * D;
+        const T* nk = static_cast<const T*>(a.new_k) + req * a.new_k_stride + (int64_t)hkv * D;
+        const T* nv = static_cast<const T*>(a.new_v) + req * a.new_v_stride + (int64_t)hkv * D;
+        for (int i = threadIdx.x; i < 2 * D; i += C::kThreads)
+          (i < D ? static_cast<T*>(a.win_k) : static_cast<T*>(a.win_v))[at + i % D] = (i < D ? nk : nv)[i % D];
+        __syncthreads();
+      }
     }
     if constexpr (LUT) {
       if (has_codes) {

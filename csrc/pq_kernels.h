@@ -48,9 +48,12 @@ struct DecodeArgs {
   const int32_t* seq_lens;  // [R], context length including the query token
   const void* k_cb;         // [kv_heads, Mk, 256, D/Mk] activation dtype
   const void* v_cb;         // [kv_heads, Mv, 256, D/Mv]
-  const void* win_k;        // [rows, kv_heads, W, D] or null
-  const void* win_v;
+  void* win_k;              // [rows, kv_heads, W, D] or null
+  void* win_v;
   const int32_t* rows;      // [R] window row of each request, or null
+  const void* new_k;        // [R, kv_heads, D] this step's keys, written into the window at
+  const void* new_v;        // position L - 1 before it is read; or null (already there)
+  int64_t new_k_stride, new_v_stride;  // elements between requests
   int window;
   int sliding_window;  // > 0: a query at position i reads keys j > i - sliding_window only
   int num_reqs, num_heads, num_kv_heads, head_dim, m_k, m_v;

@@ -92,6 +92,7 @@ def bench_pq(batch, ctx, ms, gen, hq=HQ, hkv=HKV, lut=False, per_item=False):
     rows = torch.arange(batch, dtype=torch.int32, device="cuda")
     win = [torch.randn(batch, hkv, WINDOW, D, **bf16) for _ in range(2)]
     q = torch.randn(batch, hq, D, **bf16)
+    new_kv = [torch.randn(batch, hkv, D, **bf16) for _ in range(2)]  # the kernel writes them
     out = torch.empty_like(q)
     seq = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -102,7 +103,8 @@ def bench_pq(batch, ctx, ms, gen, hq=HQ, hkv=HKV, lut=False, per_item=False):
 
     def run(i):
         torch.ops.pq_backend.decode(out, q, cache, tables[i], seq, cb[0], cb[1], win[0], win[1],
-                                    rows, WINDOW, 0, splits, ctas, D**-0.5, lut, ws_o, ws_lse,
+                                    rows, new_kv[0], new_kv[1], WINDOW, 0, splits, ctas, D**-0.5,
+                                    lut, ws_o, ws_lse,
                                     *lay.kernel_args())
 
     us = timed(run, n)

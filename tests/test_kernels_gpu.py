@@ -62,10 +62,11 @@ def run_kernel(c, splits, ctas=0):
     out = torch.full_like(c["q"], float("nan"))
     ws_o = torch.full((r * hq * splits * d,), float("nan"), device=DEV)
     ws_lse = torch.full((r * hq * splits,), float("nan"), device=DEV)
+    empty = c["q"].new_empty(0)
     torch.ops.pq_backend.decode(
         out, c["q"], c["cache"], c["table"], c["seq"], c["k_cb"], c["v_cb"], c["win_k"],
-        c["win_v"], c["rows"], c["window"], c["sliding"], splits, ctas, c["scale"], c["lut"],
-        ws_o, ws_lse, *c["lay"].kernel_args(),
+        c["win_v"], c["rows"], c.get("new_k", empty), c.get("new_v", empty), c["window"],
+        c["sliding"], splits, ctas, c["scale"], c["lut"], ws_o, ws_lse, *c["lay"].kernel_args(),
     )
     return out
 
@@ -144,6 +145,34 @@ def test_decode_any_split_count(splits):
     c = paged_case(MIXED, d=128, m=64, g=4, hkv=2, block=64, dtype=torch.bfloat16, window=64,
                    seed=splits)
     check(c, splits=splits, tol=TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("g,lut,sliding", [(4, False, 0), (1, True, 0), (4, False, 300)])
+def test_decode_writes_the_step_into_the_window(g, lut, sliding):
+    """Given this step's keys and values, the kernel writes them into each request's window
+    slot (L - 1) % W before reading it: the slot's old bytes (poisoned here) are never
+    read, the output is the reference's with the new rows, and the store holds them after.
+    Padding requests (L = 0) write nothing."""
+    c = paged_case(MIXED + [0], d=128, m=64, g=g, hkv=2, block=64, dtype=torch.bfloat16,
+                   window=64, seed=21 + g, lut=lut, sliding=sliding)
+    rows, lens = c["rows"].long(), c["seq"].long()
+    slot = (lens - 1) % 64
+    live = lens > 0
+    gen = torch.Generator().manual_seed(3)
+    c["new_k"] = torch.randn(len(lens), 2, 128, generator=gen).to(DEV, torch.bfloat16)
+    c["new_v"] = torch.randn(len(lens), 2, 128, generator=gen).to(DEV, torch.bfloat16)
+    before = c["win_k"].clone()
+    c["win_k"][rows[live], :, slot[live]] = float("nan")
+    c["win_v"][rows[live], :, slot[live]] = float("nan")
+    out = run_kernel(c, splits=3, ctas=5)
+    assert torch.equal(c["win_k"][rows[live], :, slot[live]], c["new_k"][live])
+    assert torch.equal(c["win_v"][rows[live], :, slot[live]], c["new_v"][live])
+    pad_row = int(rows[-1])
+    assert torch.equal(c["win_k"][pad_row], before[pad_row])  # the padding request's row
+    live_case = {**c, **{k: c[k][:-1] for k in ("q", "seq", "rows", "table")}}
+    ref = run_reference(live_case)  # reads the window, now holding the new rows
+    err = row_errors(out[:-1], ref)
+    assert not torch.isnan(out[:-1]).any() and err.max() < TOL[torch.bfloat16]
 
 
 @pytest.mark.parametrize("ctas", [1, 3, 8, 1000])
@@ -245,9 +274,10 @@ def test_decode_replays_in_a_cuda_graph():
     out = torch.empty_like(c["q"])
     ws_o = torch.empty(r * hq * 5 * d, device=DEV)
     ws_lse = torch.empty(r * hq * 5, device=DEV)
+    empty = c["q"].new_empty(0)
     args = lambda: (out, c["q"], c["cache"], c["table"], c["seq"], c["k_cb"], c["v_cb"],  # noqa: E731
-                    c["win_k"], c["win_v"], c["rows"], 128, 0, 4, 3, c["scale"], False, ws_o,
-                    ws_lse, *c["lay"].kernel_args())
+                    c["win_k"], c["win_v"], c["rows"], empty, empty, 128, 0, 4, 3, c["scale"],
+                    False, ws_o, ws_lse, *c["lay"].kernel_args())
     torch.ops.pq_backend.decode(*args())  # warm up outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -302,9 +332,11 @@ def test_store_kernel_matches_reference(d, m, m_v, dtype):
 
 def _decode_args(c, **over):
     r, hq, d = c["q"].shape
+    empty = c["q"].new_empty(0)
     args = dict(out=torch.empty_like(c["q"]), q=c["q"], cache=c["cache"], table=c["table"],
                 seq=c["seq"], k_cb=c["k_cb"], v_cb=c["v_cb"], win_k=c["win_k"], win_v=c["win_v"],
-                rows=c["rows"], window=c["window"], sliding=0, splits=2, ctas=0, scale=c["scale"], lut=False,
+                rows=c["rows"], new_k=empty, new_v=empty, window=c["window"], sliding=0, splits=2,
+                ctas=0, scale=c["scale"], lut=False,
                 ws_o=torch.empty(r * hq * 3 * d, device=DEV), ws_lse=torch.empty(r * hq * 3, device=DEV))
     args.update(over)
     return list(args.values()) + list(c["lay"].kernel_args())

@@ -118,25 +118,26 @@ def decode(out, query, key, value, kv_cache, md, state, scale: float) -> None:
     """Attention of one-token queries (rows ``[:md.num_decodes]``) over their context."""
     nd = md.num_decodes
     w = state.window
-    if w > 0:
-        rows = md.req_rows[:nd]
-        pos = md.seq_lens[:nd] - 1
-        reference.window_write(state.win_k, state.win_v, key[:nd], value[:nd], rows, pos, w)
     if use_kernels(query):
         hq = query.shape[1]
         slots = nd * hq * md.num_splits
         ws_o, ws_lse = md.ws_o[: slots * state.d], md.ws_lse[:slots]
         empty = query.new_empty(0)
+        # with a window, the kernel first writes each token's key and value into it
         torch.ops.pq_backend.decode(
             out[:nd], query[:nd], kv_cache, md.block_table[:nd], md.seq_lens[:nd],
             state.k_cb, state.v_cb,
             state.win_k if w > 0 else empty, state.win_v if w > 0 else empty,
             md.req_rows[:nd] if w > 0 else md.seq_lens.new_empty(0),
+            key[:nd] if w > 0 else empty, value[:nd] if w > 0 else empty,
             w, state.sliding_window, md.num_splits, md.num_ctas, scale,
             lut_scores(hq, state.k_cb.shape[0], state.d, state.layout.m_k),
             ws_o, ws_lse, *state.layout.kernel_args(),
         )
         return
+    if w > 0:
+        reference.window_write(state.win_k, state.win_v, key[:nd], value[:nd],
+                               md.req_rows[:nd], md.seq_lens[:nd] - 1, w)
     res = reference.attention(
         query[:nd], key[:nd], value[:nd], kv_cache, state.k_cb32, state.v_cb32,
         state.layout, md.query_start_loc_cpu[: nd + 1].tolist(),

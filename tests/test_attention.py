@@ -220,8 +220,8 @@ def test_flash_attention_prefill_plan(model_factory, monkeypatch, window, slidin
     decodes too, through a stand-in for vLLM's unified Triton attention (each window
     segment a request of its own); sliding: a sliding-window layer, FlashAttention's window
     in aligned positions (padded codes rows), freed blocks pointing anywhere; codes: the
-    codes part on codes_attention's Triton kernel (in Triton's interpreter, float16: the
-    kernel's products are 16-bit)."""
+    codes part on codes_attention's Triton kernel (on the GPU; without one in Triton's
+    interpreter, float16: the kernel's products are 16-bit)."""
     from helpers import unified_attention_sdpa, varlen_sdpa
 
     from vllm_pq_backend import codes_attention, ops
@@ -230,8 +230,15 @@ def test_flash_attention_prefill_plan(model_factory, monkeypatch, window, slidin
     monkeypatch.setattr(ops, "triton_attn_for", lambda t: unified_attention_sdpa)
     model = model_factory(64, 4, 2)
     vc = vllm_config(model, block_size=64, pq={"window": window})
-    sim = Sim(vc, seed=11, sliding_window=sliding, dtype=torch.float16 if codes else torch.float32)
-    sim.tol = 5e-3 if codes else TARGETS["cpu"][1]
+    if not codes:
+        sim = Sim(vc, seed=11, sliding_window=sliding)
+        sim.tol = TARGETS["cpu"][1]
+    elif torch.cuda.is_available():  # the kernel compiled, next to the other CUDA kernels
+        sim = Sim(vc, seed=11, sliding_window=sliding, dtype=TARGETS["cuda"][0], device="cuda")
+        sim.tol = TARGETS["cuda"][1]
+    else:
+        sim = Sim(vc, seed=11, sliding_window=sliding, dtype=torch.float16)
+        sim.tol = 5e-3
     if grouped:
         sim.builder.prefill_page_tokens = 64
     sim.builder.batch_invariant = batch_invariant

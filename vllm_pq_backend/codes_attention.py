@@ -137,7 +137,8 @@ def _codes_attention_kernel(
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out = tl.where(nan_reads[:, None] > 0, float("nan"), out)
-    lse = tl.where(l_i > 0, (m_i + tl.math.log2(l_i)) * 0.6931471805599453, float("-inf"))
+    lse = tl.where(l_i > 0, (m_i + tl.math.log2(tl.where(l_i > 0, l_i, 1.0))) * 0.6931471805599453,
+                   float("-inf"))
     lse = tl.where(l_i != l_i, float("nan"), lse)  # a NaN-marked key read: NaN scores
     tl.store(o_ptr + split * o_split + rows64[:, None] * o_row + head[:, None] * o_head + d[None, :],
              out, mask=live[:, None])

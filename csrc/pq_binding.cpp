@@ -55,7 +55,8 @@ pq::Pages pages_of(const Tensor& kv_cache, const at::Device& dev, int64_t heads,
   TORCH_CHECK(k_off == 0 && k_tok == m_k && v_off == b * m_k && v_sub == b,
               "vllm_pq_backend: page layout (", k_off, ", ", k_tok, ", ", v_off, ", ", v_sub,
               ") does not match kv_cache block size ", b, " with Mk=", m_k, ", Mv=", m_v);
-  TORCH_CHECK(nan_code >= 0 && nan_code < 256, "vllm_pq_backend: nan_code must be a byte, got ", nan_code);
+  // not 0: decode reads centroid 0 for keys it masks, which must never be the NaN marker
+  TORCH_CHECK(nan_code > 0 && nan_code < 256, "vllm_pq_backend: nan_code must be in 1..255, got ", nan_code);
   return pq::Pages{static_cast<uint8_t*>(kv_cache.data_ptr()), kv_cache.stride(0),
                    kv_cache.stride(1), static_cast<int>(b),
                    pq::PageLayout{(int)k_off, (int)k_tok, (int)v_off, (int)v_sub, (int)nan_code}};
@@ -169,6 +170,7 @@ void decode(Tensor out, const Tensor& q, const Tensor& kv_cache, const Tensor& b
     a.win_k = win_k.data_ptr();
     a.win_v = win_v.data_ptr();
     a.rows = rows.data_ptr<int32_t>();
+    a.win_rows = static_cast<int>(win_k.size(0));
     if (new_k.numel() > 0) {  // this step's keys and values go into the window first
       check(new_k, "new_k", dev, {-1, kv_heads, d});
       check(new_v, "new_v", dev, {new_k.size(0), kv_heads, d});

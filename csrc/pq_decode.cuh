@@ -269,7 +269,9 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
         t_begin = min(first + slot * per, n_codes), t_end = min(t_begin + per, n_codes);
         t_begin = max(t_begin, lo);
       }
-      if (a.window > 0 && slot == a.num_splits - 1) w_begin = max(n_codes, lo), w_end = len;
+      // (a window row outside the store, which the builder never gives, is not touched)
+      const int wrow = a.window > 0 ? a.rows[req] : -1;
+      if (wrow >= 0 && wrow < a.win_rows && slot == a.num_splits - 1) w_begin = max(n_codes, lo), w_end = len;
     }
     const bool has_codes = t_begin < t_end, has_win = w_begin < w_end;
     float* lse_out = a.ws_lse + ((int64_t)req * a.num_heads + h0) * slots + slot;

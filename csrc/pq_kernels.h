@@ -51,6 +51,7 @@ struct DecodeArgs {
   void* win_k;              // [rows, kv_heads, W, D] or null
   void* win_v;
   const int32_t* rows;      // [R] window row of each request, or null
+  int win_rows;             // rows of win_k / win_v: a row outside reads and writes nothing
   const void* new_k;        // [R, kv_heads, D] this step's keys, written into the window at
   const void* new_v;        // position L - 1 before it is read; or null (already there)
   int64_t new_k_stride, new_v_stride;  // elements between requests

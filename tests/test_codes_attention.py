@@ -130,6 +130,9 @@ def test_plan_takes_few_rows_over_long_histories(ca):
     assert hit.tiles[2].tolist() == [16] and hit.splits > 1  # one tile: splits fill the GPU
     assert ca.plan([(0, 0, 2048, 0)], **shape, num_requests=1, max_len=2048) is None
     assert ca.plan([], **shape, num_requests=1, max_len=10) is None
+    # more query heads per KV head than a program's rows (Falcon-7B: 71 on one KV head)
+    wide = dict(shape, head_dim=64, group=71, kv_heads=1)
+    assert ca.plan([(0, 0, 16, 8192)], **wide, num_requests=1, max_len=8208) is None
 
 
 def test_kernel_compiles_for_hopper():

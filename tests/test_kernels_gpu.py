@@ -175,6 +175,26 @@ def test_decode_writes_the_step_into_the_window(g, lut, sliding):
     assert not torch.isnan(out[:-1]).any() and err.max() < TOL[torch.bfloat16]
 
 
+@pytest.mark.parametrize("bad_row", [-1, "past"])
+def test_decode_never_touches_a_window_row_outside_the_store(bad_row):
+    """A request whose window row lies outside the store (the builder never gives one)
+    writes nothing and reads no window; the other requests are unaffected."""
+    c = paged_case(MIXED, d=128, m=64, g=2, hkv=2, block=64, dtype=torch.bfloat16,
+                   window=64, seed=5)
+    gen = torch.Generator().manual_seed(4)
+    c["new_k"] = torch.randn(len(MIXED), 2, 128, generator=gen).to(DEV, torch.bfloat16)
+    c["new_v"] = torch.randn(len(MIXED), 2, 128, generator=gen).to(DEV, torch.bfloat16)
+    good = run_kernel({**c, "win_k": c["win_k"].clone(), "win_v": c["win_v"].clone()}, splits=3)
+    c["rows"][0] = -1 if bad_row == -1 else c["win_k"].shape[0]
+    others = c["rows"][1:].long()
+    before = c["win_k"].clone()
+    out = run_kernel(c, splits=3)
+    touched = torch.zeros(before.shape[0], dtype=torch.bool)
+    touched[others.cpu()] = True
+    assert torch.equal(c["win_k"][~touched.to(DEV)], before[~touched.to(DEV)])
+    assert torch.equal(out[1:], good[1:])
+
+
 @pytest.mark.parametrize("ctas", [1, 3, 8, 1000])
 @pytest.mark.parametrize("d,g,lut", [(128, 4, False), (64, 1, True), (64, 3, False), (256, 2, False)])
 def test_decode_ctas_take_items_in_turn(ctas, d, g, lut):
@@ -386,6 +406,9 @@ def test_store_rejects_bad_inputs():
         torch.ops.pq_backend.store(cache, key, key, slots, k_cb, v_cb[:1], *lay.kernel_args())
     with pytest.raises(RuntimeError, match="page layout"):
         torch.ops.pq_backend.store(cache, key, key, slots, k_cb, v_cb, *PageLayout(64, 16, 32).kernel_args())
+    # decode reads centroid 0 for the keys it masks: 0 can never be the NaN marker
+    with pytest.raises(RuntimeError, match="nan_code must be in 1..255"):
+        torch.ops.pq_backend.store(cache, key, key, slots, k_cb, v_cb, *lay.kernel_args()[:4], 0)
 
 
 @pytest.mark.parametrize("d", HEAD_DIMS)
@@ -403,7 +426,7 @@ def test_map_kernel_matches_reference_row_by_row(d, dtype):
     ys = [torch.full(x.shape, float("nan"), dtype=dtype, device=DEV) for x in (q, k, v)]
     torch.ops.pq_backend.map(ys, [q, k, v], ts)
     for x, t, y in zip((q, k, v), ts, ys):
-        want = reference.map_rows(t.double(), x.double())
+        want = torch.matmul(x.double().view(n, hkv, -1, d), t.double()).view(x.shape)
         bound = torch.matmul(x.double().abs().view(n, hkv, -1, d), t.double().abs()).view_as(want)
         err = (y.double() - want).abs()
         # 16-bit rounding of the result, and fp32 sums of d terms

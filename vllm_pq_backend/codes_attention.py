@@ -140,7 +140,7 @@ def _codes_attention_kernel(
     lse = tl.where(l_i > 0, (m_i + tl.math.log2(tl.where(l_i > 0, l_i, 1.0))) * 0.6931471805599453,
                    float("-inf"))
     lse = tl.where(l_i != l_i, float("nan"), lse)  # a NaN-marked key read: NaN scores
-    tl.store(o_ptr + split * o_split + rows64[:, None] * o_row + head[:, None] * o_head + d[None, :],
+    tl.store(o_ptr + split.to(tl.int64) * o_split + rows64[:, None] * o_row + head[:, None] * o_head + d[None, :],
              out, mask=live[:, None])
     tl.store(lse_ptr + split * lse_split + head * lse_head + row0 + r, lse, mask=live)
 
@@ -190,6 +190,8 @@ class CodesPlan:
 # per key of history.
 BREAK_EVEN_ROWS = 128
 
+SPLIT_BYTES = 256 << 20  # at most this much fp32 split output per call (codes_attention)
+
 
 def plan(runs: list[tuple[int, int, int, int]], group: int, head_dim: int, kv_heads: int,
          num_sms: int, device, num_requests: int, max_len: int) -> CodesPlan | None:
@@ -198,8 +200,8 @@ def plan(runs: list[tuple[int, int, int, int]], group: int, head_dim: int, kv_he
     None where FlashAttention over the group's dequantized pages costs less: there the
     dequantizing is paid once per page ``num_requests * max_len``, here the gathers once
     per (row, key) read (BREAK_EVEN_ROWS)."""
-    if not runs:
-        return None
+    if not runs or group > block_m(head_dim):
+        return None  # a program's rows hold every query head of its KV head, at least one row
     work = sum(n * (p + n) for _, _, n, p in runs)  # (row, key) pairs, at most
     if work > BREAK_EVEN_ROWS * num_requests * max_len:
         return None
@@ -223,6 +225,8 @@ def codes_attention(q, kv_cache, block_table, k_cb, v_cb, layout: PageLayout, ti
     rows, hq, d = q.shape
     hkv = k_cb.shape[0]
     tile_req, tile_row, tile_rows, tile_pos = tiles
+    # The split results cover every row of q (rows that read no codes too): bound them.
+    splits = max(1, min(splits, SPLIT_BYTES // max(1, rows * hq * d * 4)))
     split_keys = -(-max(1, max_keys) // (splits * BLOCK_N)) * BLOCK_N
     o = torch.empty((splits, rows, hq, d), dtype=torch.float32, device=q.device)
     lse = torch.empty((splits, hq, rows), dtype=torch.float32, device=q.device)

@@ -37,7 +37,9 @@ class LayerState:
             "key": tk, "query": None if tk is None else torch.linalg.inv(tk.double()).mT.float(),
             "value": tv, "output": None if tv is None else torch.linalg.inv(tv.double()).float(),
         }
-        self.maps = {k: None if t is None else t.to(device) for k, t in self.maps.items()}
+        # contiguous: linalg.inv returns column-major matrices, the map kernel reads rows
+        self.maps = {k: None if t is None else t.to(device).contiguous()
+                     for k, t in self.maps.items()}
         self.layout = PageLayout(impl.block_size, info.m_k, info.m_v)
         self.window = impl.window
         self.sliding_window = impl.sliding_window
@@ -247,7 +249,7 @@ def _tp_rank_size() -> tuple[int, int]:
 
 def _log_memory(impl: PQAttentionImpl, st: LayerState) -> None:
     layers = impl.codebook_info.num_layers
-    esz = 2  # fp16 / bf16
+    esz = st.k_cb.element_size()  # the model's activation dtype: what a dense cache holds
     per_token = impl.num_kv_heads * st.layout.state_bytes * layers
     dense = 2 * impl.num_kv_heads * impl.head_size * esz * layers
     books = 2 * st.k_cb32.numel() * (4 + esz) * layers

@@ -21,7 +21,7 @@ def kernels_available() -> bool:
     if kernels.load() is None:
         return False
     # Shapes for torch.compile / meta tensors: both ops only write into their arguments.
-    for name in ("store", "decode"):
+    for name in ("store", "decode", "map"):
         torch.library.register_fake(f"pq_backend::{name}")(lambda *args, **kwargs: None)
     return True
 
@@ -122,14 +122,16 @@ def decode(out, query, key, value, kv_cache, md, state, scale: float) -> None:
         hq = query.shape[1]
         slots = nd * hq * md.num_splits
         ws_o, ws_lse = md.ws_o[: slots * state.d], md.ws_lse[:slots]
-        empty = query.new_empty(0)
+        def empty():  # a tensor of its own for each mutable argument the op is not given
+            return query.new_empty(0)
+
         # with a window, the kernel first writes each token's key and value into it
         torch.ops.pq_backend.decode(
             out[:nd], query[:nd], kv_cache, md.block_table[:nd], md.seq_lens[:nd],
             state.k_cb, state.v_cb,
-            state.win_k if w > 0 else empty, state.win_v if w > 0 else empty,
+            state.win_k if w > 0 else empty(), state.win_v if w > 0 else empty(),
             md.req_rows[:nd] if w > 0 else md.seq_lens.new_empty(0),
-            key[:nd] if w > 0 else empty, value[:nd] if w > 0 else empty,
+            key[:nd] if w > 0 else empty(), value[:nd] if w > 0 else empty(),
             w, state.sliding_window, md.num_splits, md.num_ctas, scale,
             lut_scores(hq, state.k_cb.shape[0], state.d, state.layout.m_k),
             ws_o, ws_lse, *state.layout.kernel_args(),

@@ -274,8 +274,8 @@ def varlen_sdpa(q, k, v, cu_seqlens_q, max_seqlen_q, softmax_scale, causal, max_
             continue
         sc = torch.einsum("qhd,khd->hqk", q[a:b].float(), kk.float().repeat_interleave(g, 1))
         sc = sc * softmax_scale
-        qi = torch.arange(b - a).view(-1, 1) + (n - (b - a))  # aligned query positions
-        kj = torch.arange(n).view(1, -1)
+        qi = torch.arange(b - a, device=sc.device).view(-1, 1) + (n - (b - a))  # aligned
+        kj = torch.arange(n, device=sc.device).view(1, -1)
         if causal:
             right = 0
         if right >= 0:

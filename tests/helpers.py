@@ -259,8 +259,8 @@ def varlen_sdpa(q, k, v, cu_seqlens_q, max_seqlen_q, softmax_scale, causal, max_
     left, right = window_size
     nq, hq, d = q.shape
     g = hq // k.shape[-2]
-    o = torch.zeros(nq, hq, d, dtype=torch.float32)
-    lse = torch.full((hq, nq), float("-inf"))
+    o = torch.zeros(nq, hq, d, dtype=torch.float32, device=q.device)
+    lse = torch.full((hq, nq), float("-inf"), device=q.device)
     for s in range(len(cu_seqlens_q) - 1):
         a, b = int(cu_seqlens_q[s]), int(cu_seqlens_q[s + 1])
         if block_table is not None:

@@ -3,6 +3,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
+#include <string>
 #include <vector>
 
 #include "pq_kernels.h"
@@ -43,7 +44,8 @@ int64_t check_codebook(const Tensor& cb, const char* name, const at::Device& dev
 // vLLM's layer view [blocks, kv_heads, B, Mk + Mv] (bytes), a (block, head) region dense and
 // laid out as vllm_pq_backend/layout.py says.
 pq::Pages pages_of(const Tensor& kv_cache, const at::Device& dev, int64_t heads, int64_t m_k,
-                   int64_t m_v, int64_t k_off, int64_t k_tok, int64_t v_off, int64_t v_sub) {
+                   int64_t m_v, int64_t k_off, int64_t k_tok, int64_t v_off, int64_t v_sub,
+                   int64_t nan_code) {
   check(kv_cache, "kv_cache", dev, {-1, heads, -1, m_k + m_v});
   TORCH_CHECK(kv_cache.element_size() == 1, "vllm_pq_backend: kv_cache must be a byte view, got ",
               kv_cache.scalar_type());
@@ -53,9 +55,11 @@ pq::Pages pages_of(const Tensor& kv_cache, const at::Device& dev, int64_t heads,
   TORCH_CHECK(k_off == 0 && k_tok == m_k && v_off == b * m_k && v_sub == b,
               "vllm_pq_backend: page layout (", k_off, ", ", k_tok, ", ", v_off, ", ", v_sub,
               ") does not match kv_cache block size ", b, " with Mk=", m_k, ", Mv=", m_v);
+  // not 0: decode reads centroid 0 for keys it masks, which must never be the NaN marker
+  TORCH_CHECK(nan_code > 0 && nan_code < 256, "vllm_pq_backend: nan_code must be in 1..255, got ", nan_code);
   return pq::Pages{static_cast<uint8_t*>(kv_cache.data_ptr()), kv_cache.stride(0),
                    kv_cache.stride(1), static_cast<int>(b),
-                   pq::PageLayout{(int)k_off, (int)k_tok, (int)v_off, (int)v_sub}};
+                   pq::PageLayout{(int)k_off, (int)k_tok, (int)v_off, (int)v_sub, (int)nan_code}};
 }
 
 void check_cuda(cudaError_t err, const char* what) {
@@ -64,7 +68,7 @@ void check_cuda(cudaError_t err, const char* what) {
 
 void store(Tensor kv_cache, const Tensor& key, const Tensor& value, const Tensor& slot_mapping,
            const Tensor& k_cb, const Tensor& v_cb, int64_t k_off, int64_t k_tok, int64_t v_off,
-           int64_t v_sub) {
+           int64_t v_sub, int64_t nan_code) {
   const at::Device dev = key.device();
   TORCH_CHECK(dev.is_cuda(), "vllm_pq_backend: key must be a CUDA tensor");
   const at::cuda::OptionalCUDAGuard guard(dev);
@@ -83,7 +87,7 @@ void store(Tensor kv_cache, const Tensor& key, const Tensor& value, const Tensor
   const int64_t m_k = check_codebook(k_cb, "k_cb", dev, heads, d, at::kFloat);
   const int64_t m_v = check_codebook(v_cb, "v_cb", dev, heads, d, at::kFloat);
   pq::StoreArgs a{};
-  a.pages = pages_of(kv_cache, dev, heads, m_k, m_v, k_off, k_tok, v_off, v_sub);
+  a.pages = pages_of(kv_cache, dev, heads, m_k, m_v, k_off, k_tok, v_off, v_sub, nan_code);
   a.key = key.data_ptr();
   a.value = value.data_ptr();
   a.key_stride = key.stride(0);
@@ -102,9 +106,10 @@ void store(Tensor kv_cache, const Tensor& key, const Tensor& value, const Tensor
 
 void decode(Tensor out, const Tensor& q, const Tensor& kv_cache, const Tensor& block_table,
             const Tensor& seq_lens, const Tensor& k_cb, const Tensor& v_cb, const Tensor& win_k,
-            const Tensor& win_v, const Tensor& rows, int64_t window, int64_t sliding_window,
-            int64_t num_splits, double scale, bool lut, Tensor ws_o, Tensor ws_lse, int64_t k_off,
-            int64_t k_tok, int64_t v_off, int64_t v_sub) {
+            const Tensor& win_v, const Tensor& rows, const Tensor& new_k, const Tensor& new_v,
+            int64_t window, int64_t sliding_window,
+            int64_t num_splits, int64_t num_ctas, double scale, bool lut, Tensor ws_o, Tensor ws_lse, int64_t k_off,
+            int64_t k_tok, int64_t v_off, int64_t v_sub, int64_t nan_code) {
   const at::Device dev = q.device();
   TORCH_CHECK(dev.is_cuda(), "vllm_pq_backend: q must be a CUDA tensor");
   const at::cuda::OptionalCUDAGuard guard(dev);
@@ -137,7 +142,7 @@ void decode(Tensor out, const Tensor& q, const Tensor& kv_cache, const Tensor& b
                   ws_lse.numel() >= reqs * heads * num_splits,
               "vllm_pq_backend: decode workspace too small or not on ", dev);
   pq::DecodeArgs a{};
-  a.pages = pages_of(kv_cache, dev, kv_heads, m_k, m_v, k_off, k_tok, v_off, v_sub);
+  a.pages = pages_of(kv_cache, dev, kv_heads, m_k, m_v, k_off, k_tok, v_off, v_sub, nan_code);
   a.q = q.data_ptr();
   a.q_stride = q.stride(0);
   a.out = out.data_ptr();
@@ -165,6 +170,20 @@ void decode(Tensor out, const Tensor& q, const Tensor& kv_cache, const Tensor& b
     a.win_k = win_k.data_ptr();
     a.win_v = win_v.data_ptr();
     a.rows = rows.data_ptr<int32_t>();
+    a.win_rows = static_cast<int>(win_k.size(0));
+    if (new_k.numel() > 0) {  // this step's keys and values go into the window first
+      check(new_k, "new_k", dev, {-1, kv_heads, d});
+      check(new_v, "new_v", dev, {new_k.size(0), kv_heads, d});
+      check_dtype(new_k, "new_k", q.scalar_type());
+      check_dtype(new_v, "new_v", q.scalar_type());
+      TORCH_CHECK(new_k.size(0) >= reqs && new_k.stride(2) == 1 && new_k.stride(1) == d && new_v.stride(2) == 1 &&
+                      new_v.stride(1) == d,
+                  "vllm_pq_backend: new_k and new_v must be [>= ", reqs, ", kv_heads, head_dim] with dense heads");
+      a.new_k = new_k.data_ptr();
+      a.new_v = new_v.data_ptr();
+      a.new_k_stride = new_k.stride(0);
+      a.new_v_stride = new_v.stride(0);
+    }
   }
   a.num_reqs = static_cast<int>(reqs);
   a.num_heads = static_cast<int>(heads);
@@ -173,6 +192,7 @@ void decode(Tensor out, const Tensor& q, const Tensor& kv_cache, const Tensor& b
   a.m_k = static_cast<int>(m_k);
   a.m_v = static_cast<int>(m_v);
   a.num_splits = static_cast<int>(num_splits);
+  a.num_ctas = static_cast<int>(num_ctas);
   a.scale = static_cast<float>(scale);
   a.lut = lut;
   a.ws_o = ws_o.data_ptr<float>();
@@ -181,22 +201,62 @@ void decode(Tensor out, const Tensor& q, const Tensor& kv_cache, const Tensor& b
   check_cuda(pq::decode(a, at::cuda::getCurrentCUDAStream()), "decode");
 }
 
+// out[i] = x[i] T[i] row by row (pq_map.cu): up to three (out, x, T) in one launch, all with
+// the same rows, head_dim and dtype; out[i] may be x[i].
+void map_rows(std::vector<Tensor> out, const std::vector<Tensor>& x, const std::vector<Tensor>& t) {
+  TORCH_CHECK(!x.empty() && x.size() <= (size_t)pq::kMaxMapJobs && out.size() == x.size() && t.size() == x.size(),
+              "vllm_pq_backend: map takes 1 to ", pq::kMaxMapJobs, " (out, x, T) triples, got ", out.size(), ", ",
+              x.size(), ", ", t.size());
+  const at::Device dev = x[0].device();
+  TORCH_CHECK(dev.is_cuda(), "vllm_pq_backend: map inputs must be CUDA tensors");
+  const at::cuda::OptionalCUDAGuard guard(dev);
+  check(x[0], "x[0]", dev, {-1, -1, -1});
+  const int64_t n = x[0].size(0), d = x[0].size(2);
+  pq::MapArgs a{};
+  a.dtype = dtype_of(x[0], "x[0]");
+  for (size_t i = 0; i < x.size(); ++i) {
+    const std::string xi = "x[" + std::to_string(i) + "]", oi = "out[" + std::to_string(i) + "]",
+                      ti = "T[" + std::to_string(i) + "]";
+    check(x[i], xi.c_str(), dev, {n, -1, d});
+    const int64_t heads = x[i].size(1);
+    check(out[i], oi.c_str(), dev, {n, heads, d});
+    check_dtype(x[i], xi.c_str(), x[0].scalar_type());
+    check_dtype(out[i], oi.c_str(), x[0].scalar_type());
+    TORCH_CHECK(x[i].stride(2) == 1 && x[i].stride(1) == d && out[i].stride(2) == 1 && out[i].stride(1) == d,
+                "vllm_pq_backend: ", xi, " and ", oi, " must be [rows, heads, head_dim] with dense heads");
+    check(t[i], ti.c_str(), dev, {-1, d, d});
+    check_dtype(t[i], ti.c_str(), at::kFloat);
+    TORCH_CHECK(t[i].is_contiguous() && t[i].size(0) > 0 && heads % t[i].size(0) == 0, "vllm_pq_backend: ", ti,
+                " must be contiguous [maps, ", d, ", ", d, "] with ", heads, " heads a multiple of maps, got ",
+                t[i].sizes());
+    a.jobs[i] = pq::MapJob{x[i].data_ptr(), out[i].data_ptr(), t[i].data_ptr<float>(), x[i].stride(0),
+                           out[i].stride(0), static_cast<int>(heads), static_cast<int>(heads / t[i].size(0))};
+  }
+  a.num_jobs = static_cast<int>(x.size());
+  a.rows = static_cast<int>(n);
+  a.head_dim = static_cast<int>(d);
+  check_cuda(pq::map_rows(a, at::cuda::getCurrentCUDAStream()), "map");
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pq_backend, m) {
+  m.def("map(Tensor(a!)[] out, Tensor[] x, Tensor[] t) -> ()");
   m.def(
       "store(Tensor(a!) kv_cache, Tensor key, Tensor value, Tensor slot_mapping, Tensor k_cb, "
-      "Tensor v_cb, int k_off, int k_tok, int v_off, int v_sub) -> ()");
+      "Tensor v_cb, int k_off, int k_tok, int v_off, int v_sub, int nan_code) -> ()");
   m.def(
       "decode(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
-      "Tensor k_cb, Tensor v_cb, Tensor win_k, Tensor win_v, Tensor rows, int window, "
-      "int sliding_window, int num_splits, float scale, bool lut, Tensor(b!) ws_o, Tensor(c!) ws_lse, int k_off, int k_tok, "
-      "int v_off, int v_sub) -> ()");
+      "Tensor k_cb, Tensor v_cb, Tensor(d!) win_k, Tensor(e!) win_v, Tensor rows, Tensor new_k, "
+      "Tensor new_v, int window, int sliding_window, int num_splits, int num_ctas, float scale, "
+      "bool lut, Tensor(b!) ws_o, Tensor(c!) ws_lse, int k_off, int k_tok, int v_off, int v_sub, "
+      "int nan_code) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pq_backend, CUDA, m) {
   m.impl("store", &store);
   m.impl("decode", &decode);
+  m.impl("map", &map_rows);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.doc() = "vllm_pq_backend CUDA kernels"; }

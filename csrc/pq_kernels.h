@@ -9,9 +9,10 @@ namespace pq {
 
 // Byte layout inside one (block, KV head) region of a page, filled from
 // vllm_pq_backend/layout.py (PageLayout.kernel_args): K code `m` of token `t` is at
-// k_off + t * k_tok + m; V code `m` of token `t` is at v_off + m * v_sub + t.
+// k_off + t * k_tok + m; V code `m` of token `t` is at v_off + m * v_sub + t. Subspace 0 of
+// a token whose vector is not finite holds nan_code (layout.NAN_CODE).
 struct PageLayout {
-  int k_off, k_tok, v_off, v_sub;
+  int k_off, k_tok, v_off, v_sub, nan_code;
 };
 
 enum class DType { kFloat16 = 0, kBFloat16 = 1 };
@@ -47,13 +48,19 @@ struct DecodeArgs {
   const int32_t* seq_lens;  // [R], context length including the query token
   const void* k_cb;         // [kv_heads, Mk, 256, D/Mk] activation dtype
   const void* v_cb;         // [kv_heads, Mv, 256, D/Mv]
-  const void* win_k;        // [rows, kv_heads, W, D] or null
-  const void* win_v;
+  void* win_k;              // [rows, kv_heads, W, D] or null
+  void* win_v;
   const int32_t* rows;      // [R] window row of each request, or null
+  int win_rows;             // rows of win_k / win_v: a row outside reads and writes nothing
+  const void* new_k;        // [R, kv_heads, D] this step's keys, written into the window at
+  const void* new_v;        // position L - 1 before it is read; or null (already there)
+  int64_t new_k_stride, new_v_stride;  // elements between requests
   int window;
   int sliding_window;  // > 0: a query at position i reads keys j > i - sliding_window only
   int num_reqs, num_heads, num_kv_heads, head_dim, m_k, m_v;
   int num_splits;  // splits of the codes; the last one also reads the window
+  int num_ctas;    // CTAs per KV-head group, each taking every num_ctas-th (request, split)
+                   // item; <= 0: one per item
   float scale;
   bool lut;       // score through Q.centroid lookup tables where supported (see pq_decode.cuh)
   float* ws_o;    // [R, Hq, num_splits, D]
@@ -61,7 +68,26 @@ struct DecodeArgs {
   DType dtype;
 };
 
+// y = x T for the rows of one tensor: x, y [rows, heads, D] (activation dtype, dense
+// heads), T [maps, D, D] fp32 row-major; head h uses map h / group. y may be x.
+struct MapJob {
+  const void* x;
+  void* y;
+  const float* t;
+  int64_t x_stride, y_stride;  // elements between rows
+  int heads, group;
+};
+
+constexpr int kMaxMapJobs = 3;
+
+struct MapArgs {
+  MapJob jobs[kMaxMapJobs];
+  int num_jobs, rows, head_dim;
+  DType dtype;
+};
+
 cudaError_t store(const StoreArgs& a, cudaStream_t stream);
+cudaError_t map_rows(const MapArgs& a, cudaStream_t stream);
 cudaError_t decode(const DecodeArgs& a, cudaStream_t stream);
 
 }  // namespace pq

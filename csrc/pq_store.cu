@@ -5,7 +5,7 @@
 // group of subspaces at a time; a warp's lanes take 32 tokens of one subspace, so every
 // centroid read is a broadcast. Distances are fp32 sums of squared differences in
 // element order, and the first minimum wins (a NaN distance never does), as in
-// reference.encode; subspace 0 of a non-finite vector gets kNanCode (layout.NAN_CODE).
+// reference.encode; subspace 0 of a non-finite vector gets the layout's nan_code.
 #include <math_constants.h>
 
 #include "pq_common.cuh"
@@ -16,7 +16,6 @@ namespace {
 constexpr int kStoreThreads = 256;
 constexpr int kStoreTokens = 64;
 constexpr int kStoreSmem = 64 * 1024;
-constexpr int kNanCode = 255;  // layout.NAN_CODE
 
 template <typename T, int DS>
 __global__ void __launch_bounds__(kStoreThreads) store_kernel(StoreArgs a, int first_part) {
@@ -65,7 +64,7 @@ __global__ void __launch_bounds__(kStoreThreads) store_kernel(StoreArgs a, int f
       if (m == 0) {  // the whole head's vector: one non-finite element marks the token
         bool finite = true;
         for (int i = 0; i < a.head_dim; ++i) finite = finite && isfinite(Elem<T>::to_float(xh[i]));
-        if (!finite) code = kNanCode;
+        if (!finite) code = pg.lay.nan_code;
       }
       const int64_t blk = slot / pg.block_size, off = slot % pg.block_size;
       uint8_t* region = pg.base + blk * pg.block_stride + head * pg.head_stride;

@@ -97,7 +97,7 @@ class Sim:
         self.layers = None  # the layers that are quantized (None: all)
 
     def __call__(self, module, q, k, v, mask, scaling=None, **kw):
-        t, d = k.shape[2], k.shape[3]
+        t = k.shape[2]
         g = q.shape[1] // k.shape[1]
         qf = q[0].float()
         kk, vv = k[0].transpose(0, 1).float(), v[0].transpose(0, 1).float()  # [T, H, d]

@@ -74,8 +74,9 @@ def copies_for(nbytes: int) -> int:
     return max(1, min(8, math.ceil(L2_FLUSH / max(nbytes, 1))))
 
 
-def bench_pq(batch, ctx, ms, gen, hq=HQ, hkv=HKV, lut=False):
-    """``ms``: (Mk, Mv), K and V subspaces per head."""
+def bench_pq(batch, ctx, ms, gen, hq=HQ, hkv=HKV, lut=False, per_item=False):
+    """``ms``: (Mk, Mv), K and V subspaces per head; ``per_item``: a CTA per (request,
+    split) item instead of the backend's CTAs that take items in turn."""
     from vllm_pq_backend import ops
     from vllm_pq_backend.layout import PageLayout
 
@@ -91,15 +92,19 @@ def bench_pq(batch, ctx, ms, gen, hq=HQ, hkv=HKV, lut=False):
     rows = torch.arange(batch, dtype=torch.int32, device="cuda")
     win = [torch.randn(batch, hkv, WINDOW, D, **bf16) for _ in range(2)]
     q = torch.randn(batch, hq, D, **bf16)
+    new_kv = [torch.randn(batch, hkv, D, **bf16) for _ in range(2)]  # the kernel writes them
     out = torch.empty_like(q)
     seq = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-    splits = ops.num_splits_for(batch, hkv, torch.cuda.get_device_properties(0).multi_processor_count)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits = ops.num_splits_for(batch, hkv, sms)
+    ctas = 0 if per_item else ops.num_ctas_for(hkv, sms)
     ws_o = torch.empty(batch * hq * splits * D, device="cuda")
     ws_lse = torch.empty(batch * hq * splits, device="cuda")
 
     def run(i):
         torch.ops.pq_backend.decode(out, q, cache, tables[i], seq, cb[0], cb[1], win[0], win[1],
-                                    rows, WINDOW, 0, splits, D**-0.5, lut, ws_o, ws_lse,
+                                    rows, new_kv[0], new_kv[1], WINDOW, 0, splits, ctas, D**-0.5,
+                                    lut, ws_o, ws_lse,
                                     *lay.kernel_args())
 
     us = timed(run, n)
@@ -193,6 +198,8 @@ def main() -> int:
     p.add_argument("--shape", choices=SHAPES, default="llama3-8b")
     p.add_argument("--no-turboquant", action="store_true", help="CUSTOM and FA3 only")
     p.add_argument("--g-sweep", action="store_true", help="MMA vs LUT scores at g = 1, 4, 8")
+    p.add_argument("--per-item", action="store_true",
+                   help="also time CUSTOM with a CTA per (request, split) item (custom_per_item_us)")
     p.add_argument("--out", default="eval/results/decode_kernel.json")
     args = p.parse_args()
     from vllm_pq_backend.layout import subspaces
@@ -226,6 +233,7 @@ def main() -> int:
             tq, tq_bytes = (nan, 0) if args.no_turboquant else bench_turboquant(batch, ctx, gen, hq, hkv)
             for bits, ms in args.settings:
                 us, must, splits = bench_pq(batch, ctx, ms, gen, hq, hkv)
+                per_item = bench_pq(batch, ctx, ms, gen, hq, hkv, per_item=True)[0] if args.per_item else nan
                 fa = min(fa16, fa128)
                 gbs = must / (us * 1e-6) / 1e9
                 rows.append(dict(
@@ -236,6 +244,7 @@ def main() -> int:
                     custom_bytes=must, fa3_gbs=round(fa_bytes / (fa * 1e-6) / 1e9, 1),
                     turboquant_gbs=_num(tq_bytes / (tq * 1e-6) / 1e9, 1), copy_gbs=round(copy_gbs, 1),
                     custom_pct_copy=round(100 * gbs / copy_gbs, 1), splits=splits,
+                    custom_per_item_us=_num(per_item, 2),
                 ))
                 print(f"{ctx:7d} {batch:5d} {bits:>4} | {us:9.1f} {fa16:8.1f}/{fa128:<8.1f} {tq:8.1f} | "
                       f"{fa / us:5.2f} {tq / us:5.2f} | {gbs:7.0f} ({100 * gbs / copy_gbs:4.1f}%)", flush=True)

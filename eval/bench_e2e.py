@@ -61,6 +61,28 @@ def make_model_dir(m: int) -> str:
     return d
 
 
+def engine_backend(backend: str, m: int) -> tuple[dict, str]:
+    """`LLM` keyword arguments that pick ``backend``, and its rows' name (CUSTOM by bits
+    per element: ``m`` subspaces of head_dim 128)."""
+    from vllm_pq_backend.layout import bits_of
+
+    if backend == "CUSTOM":
+        return (dict(attention_backend="CUSTOM", additional_config={"pq": {"m": m}}),
+                f"CUSTOM {bits_of(128, m)} bits")
+    if backend == "TURBOQUANT":
+        return dict(kv_cache_dtype="turboquant_4bit_nc"), "TURBOQUANT 4bit_nc"
+    return dict(attention_backend=backend), backend
+
+
+def append_rows(path: str, rows: list[dict]) -> None:
+    """``rows`` into ``path``'s list in place of any earlier rows of the same backends."""
+    old = json.load(open(path))["rows"] if os.path.exists(path) else []
+    keep = [r for r in old if r["backend"] not in {x["backend"] for x in rows}]
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"rows": keep + rows}, f, indent=1)
+
+
 def timed_generate(llm, prompts, max_tokens):
     from vllm import SamplingParams
 
@@ -83,15 +105,8 @@ def run(args) -> list[dict]:
               max_model_len=max(args.contexts) + args.gen_tokens + 256,
               gpu_memory_utilization=args.gpu_memory_utilization,
               max_num_seqs=args.max_num_seqs, enable_prefix_caching=True, seed=0)
-    name = args.backend
-    if args.backend == "CUSTOM":
-        kw.update(attention_backend="CUSTOM", additional_config={"pq": {"m": args.m}})
-        name = f"CUSTOM M={args.m}"
-    elif args.backend == "TURBOQUANT":
-        kw.update(kv_cache_dtype="turboquant_4bit_nc")
-        name = "TURBOQUANT 4bit_nc"
-    else:
-        kw.update(attention_backend=args.backend)
+    backend_kw, name = engine_backend(args.backend, args.m)
+    kw.update(backend_kw)
     t0 = time.time()
     llm = LLM(**kw)
     start_s = time.time() - t0
@@ -158,12 +173,7 @@ def main() -> int:
         return 0
     if args.backend is None or len(args.max_batch) != len(args.contexts):
         p.error("--backend is required, and one --max-batch per context")
-    rows = run(args)
-    old = json.load(open(args.out))["rows"] if os.path.exists(args.out) else []
-    keep = [r for r in old if r["backend"] not in {x["backend"] for x in rows}]
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"rows": keep + rows}, f, indent=1)
+    append_rows(args.out, run(args))
     print(table(args.out))
     return 0
 

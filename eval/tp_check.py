@@ -1,6 +1,6 @@
-"""Tensor parallelism against one GPU: greedy outputs of CUSTOM with TP=2 vs TP=1, next to
-FLASH_ATTN's TP=2 vs TP=1, on a Llama-shaped model with random weights (8 KV heads,
-head_dim 128) and codebooks calibrated for it.
+"""Tensor and pipeline parallelism against one GPU: greedy outputs of CUSTOM with TP=2 (and
+PP=2) vs one GPU, next to FLASH_ATTN's, on a Llama-shaped model with random weights (8 KV
+heads, head_dim 128) and codebooks calibrated for it.
 
     python eval/tp_check.py --work /tmp/tp --tokenizer-from eval/data/smollm2 \
         --text eval/data/text/calib.jsonl --out eval/results/tp2.json
@@ -10,7 +10,8 @@ Each engine runs in its own process. Two modes: vLLM's batch-invariant eager mod
 model's row-parallel matmuls into two partial sums that are added across GPUs, so no
 backend need give TP=1's bits; the comparison that tells whether each rank attends with
 its own KV heads' codebooks is CUSTOM's agreement next to FLASH_ATTN's (a rank with
-another head's codebooks would decode nonsense).
+another head's codebooks would decode nonsense). PP=2 gives each GPU two of the four
+layers (each loads its own layers' codebooks) and changes no arithmetic.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def one(args) -> None:
 
     kw = dict(additional_config={"pq": {"codebooks": args.books}}) if args.backend == "CUSTOM" else {}
     llm = LLM(model=args.model, attention_backend=args.backend, tensor_parallel_size=args.tp,
+              pipeline_parallel_size=args.pp,
               enforce_eager=args.mode == "batch_invariant", max_model_len=1024, seed=0,
               gpu_memory_utilization=0.3, max_num_seqs=16, **kw)
     out = llm.generate(PROMPTS, SamplingParams(max_tokens=64, temperature=0, ignore_eos=True),
@@ -80,7 +82,10 @@ def main() -> int:
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     for k in ("model", "books", "backend", "mode", "json"):
         p.add_argument(f"--{k}", help=argparse.SUPPRESS)
+    p.add_argument("--layouts", nargs="*", default=["tp2", "pp2"],
+                   help="parallel layouts compared with one GPU: tp2, pp2")
     p.add_argument("--tp", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--pp", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
         one(args)
@@ -99,24 +104,25 @@ def main() -> int:
         return 0
     for mode in args.modes:
         for backend in ("CUSTOM", "FLASH_ATTN"):
-            for tp in (1, 2):
-                path = os.path.join(args.work, f"{mode}_{backend}_tp{tp}.json")
+            for layout in ["one", *args.layouts]:
+                tp, pp = {"one": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}[layout]
+                path = os.path.join(args.work, f"{mode}_{backend}_{layout}.json")
                 env = dict(os.environ, VLLM_BATCH_INVARIANT="1" if mode == "batch_invariant" else "0")
                 cmd = [sys.executable, __file__, "--one", "--work", args.work, "--model", model,
                        "--books", books, "--backend", backend, "--mode", mode, "--tp", str(tp),
-                       "--json", path]
+                       "--pp", str(pp), "--json", path]
                 res = subprocess.run(cmd, env=env, capture_output=True, text=True)
                 if res.returncode:
-                    rows.append(dict(mode=mode, backend=backend, tp=tp, error=res.stderr[-3000:]))
-                    print(f"{mode} {backend} TP={tp}: FAILED\n{res.stderr[-3000:]}", flush=True)
+                    rows.append(dict(mode=mode, backend=backend, layout=layout, error=res.stderr[-3000:]))
+                    print(f"{mode} {backend} {layout}: FAILED\n{res.stderr[-3000:]}", flush=True)
                     continue
                 with open(path) as f:
-                    outputs[mode, backend, tp] = json.load(f)
-            if (mode, backend, 1) in outputs and (mode, backend, 2) in outputs:
-                row = dict(mode=mode, backend=backend,
-                           **agreement(outputs[mode, backend, 1], outputs[mode, backend, 2]))
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                    outputs[mode, backend, layout] = json.load(f)
+                if layout != "one" and (mode, backend, "one") in outputs:
+                    row = dict(mode=mode, backend=backend, layout=layout, against="one GPU",
+                               **agreement(outputs[mode, backend, "one"], outputs[mode, backend, layout]))
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
     with open(args.out, "w") as f:
         json.dump(dict(provenance(), model="Llama shape, random weights: 4 layers, 16 query / 8 KV "
                        "heads, head_dim 128", codebooks=books, bits=4, prompts=len(PROMPTS),

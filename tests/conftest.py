@@ -4,6 +4,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    # Triton kernels (codes_attention) run in Triton's interpreter, on CPU tensors; it must
+    # be on before anything imports triton.language (vLLM does).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from vllm_pq_backend import codebooks
-from vllm_pq_backend.layout import NUM_CENTROIDS
+from vllm_pq_backend.layout import NUM_CENTROIDS, window_start
 
 
 def write_model_config(path, *, head_dim=64, q_heads=4, kv_heads=2, layers=2, vocab=512):
@@ -259,8 +259,8 @@ def varlen_sdpa(q, k, v, cu_seqlens_q, max_seqlen_q, softmax_scale, causal, max_
     left, right = window_size
     nq, hq, d = q.shape
     g = hq // k.shape[-2]
-    o = torch.zeros(nq, hq, d, dtype=torch.float32)
-    lse = torch.full((hq, nq), float("-inf"))
+    o = torch.zeros(nq, hq, d, dtype=torch.float32, device=q.device)
+    lse = torch.full((hq, nq), float("-inf"), device=q.device)
     for s in range(len(cu_seqlens_q) - 1):
         a, b = int(cu_seqlens_q[s]), int(cu_seqlens_q[s + 1])
         if block_table is not None:
@@ -274,8 +274,8 @@ def varlen_sdpa(q, k, v, cu_seqlens_q, max_seqlen_q, softmax_scale, causal, max_
             continue
         sc = torch.einsum("qhd,khd->hqk", q[a:b].float(), kk.float().repeat_interleave(g, 1))
         sc = sc * softmax_scale
-        qi = torch.arange(b - a).view(-1, 1) + (n - (b - a))  # aligned query positions
-        kj = torch.arange(n).view(1, -1)
+        qi = torch.arange(b - a, device=sc.device).view(-1, 1) + (n - (b - a))  # aligned
+        kj = torch.arange(n, device=sc.device).view(1, -1)
         if causal:
             right = 0
         if right >= 0:
@@ -288,3 +288,56 @@ def varlen_sdpa(q, k, v, cu_seqlens_q, max_seqlen_q, softmax_scale, causal, max_
     if out is not None:
         out.copy_(o)
     return (o, lse) if return_softmax_lse else o
+
+
+def plan_segments_loops(starts, q_lens, lens, rows, window, block_size, nb, batch_invariant,
+                        pad_codes):
+    """The window segments of metadata.plan_prefill written as plain loops (its oracle):
+    dicts of the int32 and int64 arrays it sets on the plan."""
+    n = len(lens)
+    pages_of = np.arange(n * nb).reshape(n, nb)
+    total_q = int(starts[-1])
+    seg_q, seg_k, fp_src, st_rows, st_slots = [0], [0], [], [], []
+    code_rows, code_real, code_q, code_len, code_req = [], [], [0], [], []
+    seg_page, fp_dst, seg_end = [], [], []
+    win_tok, win_rows, win_pos = [], [], []
+    for i in range(n):
+        length, first, tok0 = int(lens[i]), int(lens[i] - q_lens[i]), int(starts[i])
+        for g0 in range(window_start(first, window), length, window):
+            a, e = max(first, g0), min(length, g0 + window)
+            seg_q.append(seg_q[-1] + e - a)
+            n_store = max(0, first - g0)  # earlier tokens of this segment
+            fp_src.extend(range(total_q + len(st_rows), total_q + len(st_rows) + n_store))
+            st_rows.extend([rows[i]] * n_store)
+            st_slots.extend(range(g0 % window, g0 % window + n_store))
+            fp_src.extend(range(tok0 + max(0, g0 - first), tok0 + e - first))
+            seg_k.append(seg_k[-1] + e - g0)
+            if g0 > 0:
+                code_real.extend(range(len(code_rows), len(code_rows) + e - a))
+                code_rows.extend(range(tok0 + a - first, tok0 + e - first))
+                pad = g0 + window - e if pad_codes else 0
+                code_rows.extend([tok0 + e - 1 - first] * pad)
+                code_q.append(code_q[-1] + e - a + pad)
+                code_len.append(g0)
+                code_req.append(i)
+            if batch_invariant:
+                s0 = len(seg_page) * block_size + g0 % block_size
+                fp_dst.extend(range(s0, s0 + e - g0))
+                seg_page.append(i * nb + g0 // block_size)
+                seg_end.append(e)
+        last = max(first, window_start(length - 1, window))
+        win_tok.extend(range(tok0 + last - first, tok0 + length - first))
+        win_rows.extend([rows[i]] * (length - last))
+        win_pos.extend(range(last, length))
+    i32 = dict(seg_cu_q=seg_q, seg_cu_k=seg_k, code_cu_q=code_q, code_len=code_len)
+    i64 = dict(fp_src=fp_src, store_rows=st_rows, store_slots=st_slots, code_rows=code_rows,
+               code_req=code_req, win_tokens=win_tok, win_rows=win_rows, win_pos=win_pos)
+    if pad_codes:
+        i64.update(code_real=code_real)
+    if batch_invariant:
+        pages = np.asarray(seg_page, dtype=np.int64)
+        table = pages_of[pages // nb]  # a copy: the request's pages, its segment's page
+        table[np.arange(len(pages)), pages % nb] = n * nb + np.arange(len(pages))  # -> copy
+        i32.update(seg_table=table, seg_end=seg_end)
+        i64.update(seg_page=pages, fp_dst=fp_dst)
+    return i32, i64

@@ -207,33 +207,61 @@ def test_prefix_hit_reads_shared_blocks_through_codes(model_factory, target):
     check(sim, sim.step([(1, 1)]), 32)
 
 
-@pytest.mark.parametrize("grouped,batch_invariant", [(False, False), (True, False),
-                                                    (False, True)])
+@pytest.mark.parametrize("grouped,batch_invariant,codes", [
+    (False, False, False), (True, False, False), (False, True, False), (False, False, True),
+    (True, False, True)])
 @pytest.mark.parametrize("window,sliding", [(0, None), (32, None), (64, None), (0, 80),
                                             (32, 80), (32, 48)])
 def test_flash_attention_prefill_plan(model_factory, monkeypatch, window, sliding, grouped,
-                                      batch_invariant):
+                                      batch_invariant, codes):
     """The GPU prefill path (FlashAttention over dequantized pages, window segments merged
     by LSE), run here with a PyTorch stand-in for flash_attn_varlen_func; grouped: a page
     budget of one block puts every prefill request in a group of its own; batch_invariant:
     decodes too, through a stand-in for vLLM's unified Triton attention (each window
     segment a request of its own); sliding: a sliding-window layer, FlashAttention's window
-    in aligned positions (padded codes rows), freed blocks pointing anywhere."""
+    in aligned positions (padded codes rows), freed blocks pointing anywhere; codes: the
+    codes part on codes_attention's Triton kernel (on the GPU; without one in Triton's
+    interpreter, float16: the kernel's products are 16-bit)."""
     from helpers import unified_attention_sdpa, varlen_sdpa
 
-    from vllm_pq_backend import ops
+    from vllm_pq_backend import codes_attention, ops
 
     monkeypatch.setattr(ops, "flash_attn_for", lambda t: (varlen_sdpa, lambda **kw: 3))
     monkeypatch.setattr(ops, "triton_attn_for", lambda t: unified_attention_sdpa)
     model = model_factory(64, 4, 2)
     vc = vllm_config(model, block_size=64, pq={"window": window})
-    sim = Sim(vc, seed=11, sliding_window=sliding)
-    sim.tol = TARGETS["cpu"][1]
+    if not codes:
+        sim = Sim(vc, seed=11, sliding_window=sliding)
+        sim.tol = TARGETS["cpu"][1]
+    elif torch.cuda.is_available():  # the kernel compiled, next to the other CUDA kernels
+        sim = Sim(vc, seed=11, sliding_window=sliding, dtype=TARGETS["cuda"][0], device="cuda")
+        sim.tol = TARGETS["cuda"][1]
+    else:
+        sim = Sim(vc, seed=11, sliding_window=sliding, dtype=torch.float16)
+        sim.tol = 5e-3
     if grouped:
         sim.builder.prefill_page_tokens = 64
     sim.builder.batch_invariant = batch_invariant
+    # every group that reads codes on the kernel, or none
+    monkeypatch.setattr(codes_attention, "BREAK_EVEN_ROWS", 10**9 if codes else -1)
+    _prefill_plan_steps(sim, window, codes)
+
+
+def _prefill_plan_steps(sim, window, codes):
+    steps = []
+    orig = sim.builder.build
+
+    def build(*a, **kw):
+        md = orig(*a, **kw)
+        # a group on the kernel iff it has rows that read codes (all of them without a window)
+        steps.extend((p.codes is not None) == (codes and (p.seg_cu_q is None or p.code_rows.numel() > 0))
+                     for p in md.prefills)
+        return md
+
+    sim.builder.build = build
     for rid in range(3):
         sim.add(rid)
     check(sim, sim.step([(0, 100), (1, 7)]), window)
     check(sim, sim.step([(0, 1), (1, 60), (2, 129)]), window)  # continuation chunks
     check(sim, sim.step([(2, 70), (0, 2)]), window)
+    assert steps and all(steps)

@@ -257,6 +257,39 @@ def test_builder_on_common_metadata(model_factory):
     assert p.win_pos.tolist() == [39, 6, *range(64, 70)]  # decoded tokens enter the window
 
 
+def test_builder_reads_the_window_store_rows_at_each_build(model_factory):
+    """The store's row count (max_num_active_seqs) is settled when the model first runs,
+    which may come after the builder is made: the scratch row follows it, padding included."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from vllm_pq_backend.backend import PQAttentionBackend
+
+    model = model_factory(64, 4, 2)
+    vc = vllm_config(model, block_size=32, pq={"window": 32, "m": 16})
+    vc.scheduler_config.max_num_seqs = 16
+    vc.scheduler_config.max_num_active_seqs = None
+    with set_current_vllm_config(vc):
+        spec = PQAttentionBackend.customize_spec(
+            FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+        )
+        builder = PQAttentionBackend.get_builder_cls()(spec, ["l0"], vc, torch.device("cpu"))
+    vc.scheduler_config.max_num_active_seqs = 4  # the first layer's store: 4 rows + scratch
+    seq = torch.tensor([40, 7, 9], dtype=torch.int32)
+    qsl = torch.arange(4, dtype=torch.int32)
+    cam = CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq, num_reqs=3,
+        num_actual_tokens=3, max_query_len=1, max_seq_len=40,
+        block_table_tensor=torch.tensor([[3, 4], [5, 0], [6, 0]], dtype=torch.int32),
+        slot_mapping=torch.arange(3), seq_lens_cpu_upper_bound=seq,
+        req_idx=np.array([15, 12]),  # the third request is CUDA-graph padding
+    )
+    md = builder.build(0, cam)
+    assert md.req_rows.tolist() == [0, 3, 4]
+    assert builder.req_rows.unique().tolist() == [0, 3, 4]  # no entry names row 16
+
+
 def test_batch_invariant_plan_makes_each_segment_a_request():
     """Batch-invariant mode, window 32, blocks of 64: every segment becomes a request whose
     pages are its request's pages before the segment's page, then a private copy of that
@@ -283,7 +316,11 @@ def test_batch_invariant_plan_makes_each_segment_a_request():
     assert (p.fp_src.numel(), p.fp_dst.numel()) == (78, 78)
     assert plan_prefills(qsl, seq, table, 64, 32, rows, "cpu", 1 << 16)[0].seg_table is None
 
-def test_speculative_decoding_is_rejected_at_start_up(model_factory):
+@pytest.mark.parametrize("method,draft_kv", [("ngram", False), ("suffix", False),
+                                             ("eagle", True), ("draft_model", True)])
+def test_speculative_decoding_without_draft_attention_only(model_factory, method, draft_kv):
+    """Drafts that need no KV cache (n-gram, suffix, ...) are served; draft models with
+    attention layers, which would need codebooks of their own, are refused at start-up."""
     import types
 
     from vllm.config import set_current_vllm_config
@@ -291,9 +328,14 @@ def test_speculative_decoding_is_rejected_at_start_up(model_factory):
     from vllm_pq_backend.impl import PQAttentionImpl
 
     vc = vllm_config(model_factory(64, 4, 2), block_size=64, pq={})
-    object.__setattr__(vc, "speculative_config", types.SimpleNamespace(method="ngram"))
-    with set_current_vllm_config(vc), pytest.raises(NotImplementedError, match="speculative"):
-        PQAttentionImpl(4, 64, 0.125, 2)
+    spec = types.SimpleNamespace(method=method, uses_draft_kv_cache=lambda: draft_kv)
+    object.__setattr__(vc, "speculative_config", spec)
+    with set_current_vllm_config(vc):
+        if draft_kv:
+            with pytest.raises(NotImplementedError, match=f"not '{method}'"):
+                PQAttentionImpl(4, 64, 0.125, 2)
+        else:
+            assert PQAttentionImpl(4, 64, 0.125, 2).num_kv_heads == 2
 
 
 def test_missing_kernels_on_a_gpu_fail_with_the_fix(monkeypatch):
@@ -399,3 +441,29 @@ def test_each_tensor_parallel_rank_loads_its_own_kv_heads(tmp_path, monkeypatch,
     k_mine = st.k_cb32[:, 1:]  # subspace 0 carries the NaN marker
     assert torch.equal(k_mine, k_all[want, 1:]) and torch.equal(st.v_cb32[:, 1:], v_all[want, 1:])
     assert torch.equal(st.maps["key"], tk_all[want])
+
+
+@pytest.mark.parametrize("window,block,pad_codes,batch_invariant", [
+    (32, 64, False, False), (64, 64, True, False), (32, 128, False, True), (128, 128, True, True)])
+def test_segment_plan_matches_the_plain_loops(window, block, pad_codes, batch_invariant):
+    """metadata._segments (numpy over all segments) gives the arrays of the plain loops
+    (helpers.plan_segments_loops) on random chunks: fresh prompts, continuations, single
+    tokens, chunks that start and end inside windows."""
+    from helpers import plan_segments_loops
+
+    from vllm_pq_backend.metadata import _segments
+
+    rng = np.random.default_rng(window + block)
+    for _ in range(30):
+        n = int(rng.integers(1, 7))
+        q_lens = rng.integers(1, 400, n)
+        lens = q_lens + rng.choice([0, 1, 31, 32, 33, 500], n)
+        starts = np.concatenate([[0], np.cumsum(q_lens)])
+        rows = rng.permutation(64)[:n]
+        nb = int(-(-lens.max() // block))
+        args = (starts, q_lens, lens, rows, window, block, nb, batch_invariant, pad_codes)
+        got, want = _segments(*args), plan_segments_loops(*args)
+        for g, w in zip(got, want):
+            assert g.keys() == w.keys()
+            for k in w:
+                assert np.array_equal(np.asarray(g[k]), np.asarray(w[k])), k

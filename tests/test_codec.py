@@ -64,11 +64,11 @@ def test_page_byte_offsets():
     assert lay.state_bytes == 8 and lay.head_bytes == 256
     assert lay.k_code_offset(5, 2) == 5 * 4 + 2  # K codes [B][Mk]
     assert lay.v_code_offset(5, 2) == 32 * 4 + 2 * 32 + 5  # V codes [Mv][B]
-    assert lay.kernel_args() == (0, 4, 128, 32)
+    assert lay.kernel_args() == (0, 4, 128, 32, NAN_CODE)
     lay = PageLayout(block_size=32, m_k=4, m_v=2)  # V at half K's bits
     assert lay.state_bytes == 6 and lay.head_bytes == 192
     assert lay.v_code_offset(5, 1) == 32 * 4 + 1 * 32 + 5
-    assert lay.kernel_args() == (0, 4, 128, 32)
+    assert lay.kernel_args() == (0, 4, 128, 32, NAN_CODE)
 
 
 @pytest.mark.parametrize("m_v", [4, 2])

@@ -1,7 +1,6 @@
 """Whole vLLM engines on a tiny random Llama (head_dim 64) with random codebooks: two
 engines with different M and window alive in one process stay independent. Needs a GPU."""
 
-import os
 
 import pytest
 import torch
@@ -66,3 +65,33 @@ def test_window_store_smaller_than_max_num_seqs_caps_admission(tmp_path, monkeyp
         "pq": {"codebooks": books, "window": 128, "window_memory": 1e-9}})
     assert capped.llm_engine.engine_core.engine_core.scheduler.max_num_active_reqs == 1
     assert greedy(capped) == want
+
+
+@pytest.mark.parametrize("window", [0, 32])
+def test_ngram_speculation_keeps_greedy_outputs(tmp_path, monkeypatch, window):
+    """Batch-invariant eager mode: greedy outputs with n-gram speculation (3 draft tokens,
+    verified as multi-token queries on the prefill path) are those without, and drafts
+    were accepted, so verification ran. Repetitive prompts give the n-grams to match."""
+    from vllm import LLM, SamplingParams
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    model = tiny_model(tmp_path / "model", head_dim=64)
+    books = random_codebooks(str(tmp_path / "a.safetensors"), model, 32, seed=1)
+    prompts = [" ".join(["red green blue"] * 12), " ".join(["one two three four"] * 10),
+               "the quick brown fox " * 8]
+    common = dict(model=model, attention_backend="CUSTOM", enforce_eager=True,
+                  max_model_len=512, gpu_memory_utilization=0.15, max_num_seqs=8, seed=0,
+                  additional_config={"pq": {"codebooks": books, "window": window}})
+    sp = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    plain = LLM(**common)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, sp, use_tqdm=False)]
+    del plain
+    spec = LLM(**common, disable_log_stats=False, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
+        "prompt_lookup_max": 4})
+    got = [o.outputs[0].token_ids for o in spec.generate(prompts, sp, use_tqdm=False)]
+    assert got == want
+    accepted = [m.value for m in spec.get_metrics()
+                if m.name == "vllm:spec_decode_num_accepted_tokens"]
+    assert accepted and accepted[0] > 0

@@ -55,15 +55,18 @@ def paged_case(lens, *, d, m, g, hkv, block, dtype, window, seed, lut=False, m_v
     return case
 
 
-def run_kernel(c, splits):
+def run_kernel(c, splits, ctas=0):
+    """``ctas`` CTAs per KV-head group taking the (request, split) items in turn; 0: a CTA
+    per item."""
     r, hq, d = c["q"].shape
     out = torch.full_like(c["q"], float("nan"))
     ws_o = torch.full((r * hq * splits * d,), float("nan"), device=DEV)
     ws_lse = torch.full((r * hq * splits,), float("nan"), device=DEV)
+    empty = c["q"].new_empty(0)
     torch.ops.pq_backend.decode(
         out, c["q"], c["cache"], c["table"], c["seq"], c["k_cb"], c["v_cb"], c["win_k"],
-        c["win_v"], c["rows"], c["window"], c["sliding"], splits, c["scale"], c["lut"], ws_o,
-        ws_lse, *c["lay"].kernel_args(),
+        c["win_v"], c["rows"], c.get("new_k", empty), c.get("new_v", empty), c["window"],
+        c["sliding"], splits, ctas, c["scale"], c["lut"], ws_o, ws_lse, *c["lay"].kernel_args(),
     )
     return out
 
@@ -85,8 +88,8 @@ def row_errors(out, ref):
     return ((out.float() - ref).norm(dim=-1) / ref.norm(dim=-1)).flatten()
 
 
-def check(c, splits, tol):
-    out = run_kernel(c, splits)
+def check(c, splits, tol, ctas=0):
+    out = run_kernel(c, splits, ctas)
     ref = run_reference(c)
     assert not torch.isnan(out).any(), "unwritten (NaN) output"
     err = row_errors(out, ref)
@@ -142,6 +145,70 @@ def test_decode_any_split_count(splits):
     c = paged_case(MIXED, d=128, m=64, g=4, hkv=2, block=64, dtype=torch.bfloat16, window=64,
                    seed=splits)
     check(c, splits=splits, tol=TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("g,lut,sliding", [(4, False, 0), (1, True, 0), (4, False, 300)])
+def test_decode_writes_the_step_into_the_window(g, lut, sliding):
+    """Given this step's keys and values, the kernel writes them into each request's window
+    slot (L - 1) % W before reading it: the slot's old bytes (poisoned here) are never
+    read, the output is the reference's with the new rows, and the store holds them after.
+    Padding requests (L = 0) write nothing."""
+    c = paged_case(MIXED + [0], d=128, m=64, g=g, hkv=2, block=64, dtype=torch.bfloat16,
+                   window=64, seed=21 + g, lut=lut, sliding=sliding)
+    rows, lens = c["rows"].long(), c["seq"].long()
+    slot = (lens - 1) % 64
+    live = lens > 0
+    gen = torch.Generator().manual_seed(3)
+    c["new_k"] = torch.randn(len(lens), 2, 128, generator=gen).to(DEV, torch.bfloat16)
+    c["new_v"] = torch.randn(len(lens), 2, 128, generator=gen).to(DEV, torch.bfloat16)
+    before = c["win_k"].clone()
+    c["win_k"][rows[live], :, slot[live]] = float("nan")
+    c["win_v"][rows[live], :, slot[live]] = float("nan")
+    out = run_kernel(c, splits=3, ctas=5)
+    assert torch.equal(c["win_k"][rows[live], :, slot[live]], c["new_k"][live])
+    assert torch.equal(c["win_v"][rows[live], :, slot[live]], c["new_v"][live])
+    pad_row = int(rows[-1])
+    assert torch.equal(c["win_k"][pad_row], before[pad_row])  # the padding request's row
+    live_case = {**c, **{k: c[k][:-1] for k in ("q", "seq", "rows", "table")}}
+    ref = run_reference(live_case)  # reads the window, now holding the new rows
+    err = row_errors(out[:-1], ref)
+    assert not torch.isnan(out[:-1]).any() and err.max() < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("bad_row", [-1, "past"])
+def test_decode_never_touches_a_window_row_outside_the_store(bad_row):
+    """A request whose window row lies outside the store (the builder never gives one)
+    writes nothing and reads no window; the other requests are unaffected."""
+    c = paged_case(MIXED, d=128, m=64, g=2, hkv=2, block=64, dtype=torch.bfloat16,
+                   window=64, seed=5)
+    gen = torch.Generator().manual_seed(4)
+    c["new_k"] = torch.randn(len(MIXED), 2, 128, generator=gen).to(DEV, torch.bfloat16)
+    c["new_v"] = torch.randn(len(MIXED), 2, 128, generator=gen).to(DEV, torch.bfloat16)
+    good = run_kernel({**c, "win_k": c["win_k"].clone(), "win_v": c["win_v"].clone()}, splits=3)
+    c["rows"][0] = -1 if bad_row == -1 else c["win_k"].shape[0]
+    others = c["rows"][1:].long()
+    before = c["win_k"].clone()
+    out = run_kernel(c, splits=3)
+    touched = torch.zeros(before.shape[0], dtype=torch.bool)
+    touched[others.cpu()] = True
+    assert torch.equal(c["win_k"][~touched.to(DEV)], before[~touched.to(DEV)])
+    assert torch.equal(out[1:], good[1:])
+
+
+@pytest.mark.parametrize("ctas", [1, 3, 8, 1000])
+@pytest.mark.parametrize("d,g,lut", [(128, 4, False), (64, 1, True), (64, 3, False), (256, 2, False)])
+def test_decode_ctas_take_items_in_turn(ctas, d, g, lut):
+    """Fewer CTAs than (request, split) items: each CTA keeps its codebooks (a LUT is
+    rebuilt per request) and takes items in turn, empty ones and window-only ones among
+    them; the results are those of a CTA per item, bitwise."""
+    c = paged_case(MIXED + [0], d=d, m=d // 2, g=g, hkv=2, block=64, dtype=torch.bfloat16,
+                   window=64, seed=ctas + d, lut=lut)
+    c["seq"][-1] = 0  # a padding request: no keys at all
+    want = run_kernel(c, splits=3)
+    got = run_kernel(c, splits=3, ctas=ctas)
+    assert torch.equal(got[:-1], want[:-1])
+    c["seq"][-1] = 1
+    check(c, splits=3, tol=TOL[torch.bfloat16], ctas=ctas)
 
 
 @pytest.mark.parametrize("g,lut", [(4, False), (1, True)])
@@ -206,6 +273,11 @@ def test_store_marks_non_finite_vectors():
         for t, h in rows:
             want[t, h] = True
         assert torch.equal(codes[..., 0] == NAN_CODE, want)
+    # the code comes from the layout's kernel arguments, not a constant of the kernel's own
+    *args, _ = lay.kernel_args()
+    torch.ops.pq_backend.store(cache, key, value, slots, k_cb, v_cb, *args, 7)
+    kc, _ = reference.codes_at(cache, slots, lay)
+    assert (kc[5, 1, 0], kc[9, 0, 0]) == (7, 7)
 
 
 def test_decode_128k_context():
@@ -222,9 +294,10 @@ def test_decode_replays_in_a_cuda_graph():
     out = torch.empty_like(c["q"])
     ws_o = torch.empty(r * hq * 5 * d, device=DEV)
     ws_lse = torch.empty(r * hq * 5, device=DEV)
+    empty = c["q"].new_empty(0)
     args = lambda: (out, c["q"], c["cache"], c["table"], c["seq"], c["k_cb"], c["v_cb"],  # noqa: E731
-                    c["win_k"], c["win_v"], c["rows"], 128, 0, 4, c["scale"], False, ws_o,
-                    ws_lse, *c["lay"].kernel_args())
+                    c["win_k"], c["win_v"], c["rows"], empty, empty, 128, 0, 4, 3, c["scale"],
+                    False, ws_o, ws_lse, *c["lay"].kernel_args())
     torch.ops.pq_backend.decode(*args())  # warm up outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -279,9 +352,11 @@ def test_store_kernel_matches_reference(d, m, m_v, dtype):
 
 def _decode_args(c, **over):
     r, hq, d = c["q"].shape
+    empty = c["q"].new_empty(0)
     args = dict(out=torch.empty_like(c["q"]), q=c["q"], cache=c["cache"], table=c["table"],
                 seq=c["seq"], k_cb=c["k_cb"], v_cb=c["v_cb"], win_k=c["win_k"], win_v=c["win_v"],
-                rows=c["rows"], window=c["window"], sliding=0, splits=2, scale=c["scale"], lut=False,
+                rows=c["rows"], new_k=empty, new_v=empty, window=c["window"], sliding=0, splits=2,
+                ctas=0, scale=c["scale"], lut=False,
                 ws_o=torch.empty(r * hq * 3 * d, device=DEV), ws_lse=torch.empty(r * hq * 3, device=DEV))
     args.update(over)
     return list(args.values()) + list(c["lay"].kernel_args())
@@ -331,3 +406,62 @@ def test_store_rejects_bad_inputs():
         torch.ops.pq_backend.store(cache, key, key, slots, k_cb, v_cb[:1], *lay.kernel_args())
     with pytest.raises(RuntimeError, match="page layout"):
         torch.ops.pq_backend.store(cache, key, key, slots, k_cb, v_cb, *PageLayout(64, 16, 32).kernel_args())
+    # decode reads centroid 0 for the keys it masks: 0 can never be the NaN marker
+    with pytest.raises(RuntimeError, match="nan_code must be in 1..255"):
+        torch.ops.pq_backend.store(cache, key, key, slots, k_cb, v_cb, *lay.kernel_args()[:4], 0)
+
+
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_map_kernel_matches_reference_row_by_row(d, dtype):
+    """q (4 query heads per map), k and v in one launch, rows strided as vLLM's qkv split
+    gives them, against fp64: every element within its 16-bit rounding plus fp32 sums."""
+    gen = torch.Generator().manual_seed(d)
+    n, hkv, g = 37, 2, 4
+    qkv = torch.randn(n, (hkv * g + 2 * hkv) * d, generator=gen).to(DEV, dtype)
+    q = qkv[:, : hkv * g * d].view(n, hkv * g, d)
+    k = qkv[:, hkv * g * d : (hkv * g + hkv) * d].view(n, hkv, d)
+    v = qkv[:, (hkv * g + hkv) * d :].view(n, hkv, d)
+    ts = [(torch.randn(hkv, d, d, generator=gen) / d**0.5).to(DEV) for _ in range(3)]
+    ys = [torch.full(x.shape, float("nan"), dtype=dtype, device=DEV) for x in (q, k, v)]
+    torch.ops.pq_backend.map(ys, [q, k, v], ts)
+    for x, t, y in zip((q, k, v), ts, ys):
+        # on the CPU: vLLM's batch-invariant matmul (on CUDA once a test enabled it) has no fp64
+        xc, tc = x.double().cpu().view(n, hkv, -1, d), t.double().cpu()
+        want = torch.matmul(xc, tc).view(x.shape)
+        bound = torch.matmul(xc.abs(), tc.abs()).view_as(want)
+        err = (y.double().cpu() - want).abs()
+        # 16-bit rounding of the result, and fp32 sums of d terms
+        ok = err <= want.abs() * 2.0 ** -(8 if dtype == torch.bfloat16 else 11) + bound * d * 2.0**-23
+        assert ok.all(), f"rows {sorted(set(torch.nonzero(~ok)[:, 0].tolist()))[:8]} out of bounds"
+
+
+def test_map_kernel_is_batch_invariant_and_in_place():
+    """A row's result is bitwise the same alone, in any batch, and written in place."""
+    gen = torch.Generator().manual_seed(5)
+    d, h = 128, 8
+    x = torch.randn(300, h, d, generator=gen).to(DEV, torch.bfloat16)
+    t = (torch.randn(2, d, d, generator=gen) / d**0.5).to(DEV)
+    full = torch.empty_like(x)
+    torch.ops.pq_backend.map([full], [x], [t])
+    for rows in (slice(7, 8), slice(0, 1), slice(100, 117), slice(3, 300)):
+        part = torch.empty_like(x[rows])
+        torch.ops.pq_backend.map([part], [x[rows]], [t])
+        assert torch.equal(part, full[rows]), rows
+    y = x.clone()
+    torch.ops.pq_backend.map([y], [y], [t])
+    assert torch.equal(y, full)
+
+
+def test_map_rejects_bad_inputs():
+    x = torch.randn(4, 6, 64, device=DEV, dtype=torch.bfloat16)
+    t = torch.randn(3, 64, 64, device=DEV)
+    torch.ops.pq_backend.map([torch.empty_like(x)], [x], [t])  # fine
+    with pytest.raises(RuntimeError, match=r"T\[0\] must be contiguous"):  # 6 heads, 4 maps
+        torch.ops.pq_backend.map([torch.empty_like(x)], [x], [torch.randn(4, 64, 64, device=DEV)])
+    with pytest.raises(RuntimeError, match=r"T\[0\] must be Float"):
+        torch.ops.pq_backend.map([torch.empty_like(x)], [x], [t.half()])
+    with pytest.raises(RuntimeError, match=r"out\[0\] has shape"):
+        torch.ops.pq_backend.map([x[:3]], [x], [t])
+    with pytest.raises(RuntimeError, match="1 to 3"):
+        torch.ops.pq_backend.map([x] * 4, [x] * 4, [t] * 4)

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from .codebooks import (codebook_path_hint, describe_m, fingerprint_fields, head_dim_of,
+from .codebooks import (codebook_path_hint, describe_m, head_dim_of,
                         save_codebooks, supported_m_text)
 from .config import default_codebook_path
 from .kmeans import kmeans

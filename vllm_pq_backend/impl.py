@@ -6,7 +6,7 @@ import torch
 from vllm.logger import init_logger
 from vllm.v1.attention.backend import AttentionImpl, AttentionLayer, AttentionType
 
-from . import codebooks, kernels, ops
+from . import codebooks, kernels, ops, reference
 from .backend import configured_m
 from .config import PQConfig, current_pq_config
 from .layout import PageLayout
@@ -37,7 +37,9 @@ class LayerState:
             "key": tk, "query": None if tk is None else torch.linalg.inv(tk.double()).mT.float(),
             "value": tv, "output": None if tv is None else torch.linalg.inv(tv.double()).float(),
         }
-        self.maps = {k: None if t is None else t.to(device) for k, t in self.maps.items()}
+        # contiguous: linalg.inv returns column-major matrices, the map kernel reads rows
+        self.maps = {k: None if t is None else t.to(device).contiguous()
+                     for k, t in self.maps.items()}
         self.layout = PageLayout(impl.block_size, info.m_k, info.m_v)
         self.window = impl.window
         self.sliding_window = impl.sliding_window
@@ -56,15 +58,30 @@ class LayerState:
         if torch.device(device).type == "cuda":
             torch.empty(self.prefill_scratch, dtype=torch.uint8, device=device)  # freed at once: the peak counts
 
-    def map(self, which: str, x: torch.Tensor) -> torch.Tensor:
-        """``x [n, heads, d]`` through the codebooks' ``which`` map (identity if none);
-        query and output rows use their KV head's map."""
-        t = self.maps[which]
-        if t is None:
-            return x
-        n, h, d = x.shape
-        y = torch.matmul(x.float().view(n, t.shape[0], -1, d), t)  # dense [n, Hkv, g, d]
-        return y.view(n, h, d).to(x.dtype)
+    def map(self, *items: tuple[str, torch.Tensor], inplace: bool = False) -> list[torch.Tensor]:
+        """Each ``(which, x [n, heads, d])`` through the codebooks' ``which`` map (identity
+        if none; query and output rows use their KV head's map). On CUDA one kernel launch
+        for all of them, whose fp32 sums run in a fixed order, so that a token's result
+        does not depend on the rest of the batch (csrc/pq_map.cu); reference.map_rows
+        elsewhere. ``inplace`` writes the results into the ``x``s."""
+        out = [x for _, x in items]
+        todo = [i for i, (which, _) in enumerate(items) if self.maps[which] is not None]
+        if not todo:
+            return out
+        xs = [items[i][1] for i in todo]
+        ts = [self.maps[items[i][0]] for i in todo]
+        if ops.use_kernels(xs[0]):
+            ys = xs if inplace else [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in xs]
+            torch.ops.pq_backend.map(ys, xs, ts)
+        else:
+            ys = [reference.map_rows(t, x) for t, x in zip(ts, xs)]
+            if inplace:
+                for x, y in zip(xs, ys):
+                    x.copy_(y)
+                ys = xs
+        for i, y in zip(todo, ys):
+            out[i] = y
+        return out
 
 
 class PQAttentionImpl(AttentionImpl[PQMetadata]):
@@ -105,13 +122,15 @@ class PQAttentionImpl(AttentionImpl[PQMetadata]):
         from vllm.config import get_current_vllm_config
 
         vc = get_current_vllm_config()
-        if vc.speculative_config is not None:
-            # Verification steps are multi-token queries: they would take the prefill path,
-            # which dequantizes every request's whole history in every layer at every step.
+        spec = vc.speculative_config
+        if spec is not None and spec.uses_draft_kv_cache():
+            # Verification steps are multi-token queries on the prefill path, whose codes
+            # part reads the history through codes (codes_attention). Draft models with
+            # attention layers of their own would need codebooks of their own.
             raise NotImplementedError(
-                "The CUSTOM (PQ) backend does not support speculative decoding yet: each "
-                "verification step would dequantize the whole history; run without "
-                "--speculative-config."
+                f"The CUSTOM (PQ) backend supports speculative decoding whose drafts need no "
+                f"KV cache (ngram, ngram_gpu, suffix, medusa, mlp_speculator), not "
+                f"{spec.method!r}: its draft layers would need PQ codebooks of their own."
             )
         self.cfg: PQConfig = current_pq_config()
         self.codebook_info = codebooks.read_info(self.cfg.codebook_file(head_size))
@@ -156,7 +175,8 @@ class PQAttentionImpl(AttentionImpl[PQMetadata]):
             return
         st = self.state(layer, key)
         n = slot_mapping.shape[0]
-        ops.store(kv_cache, st.map("key", key[:n]), st.map("value", value[:n]), slot_mapping, st)
+        k, v = st.map(("key", key[:n]), ("value", value[:n]))
+        ops.store(kv_cache, k, v, slot_mapping, st)
 
     def forward(
         self,
@@ -178,13 +198,12 @@ class PQAttentionImpl(AttentionImpl[PQMetadata]):
             return output.zero_()
         n = md.num_actual_tokens
         out = output[:n]
-        q, k, v = st.map("query", query[:n]), st.map("key", key[:n]), st.map("value", value[:n])
+        q, k, v = st.map(("query", query[:n]), ("key", key[:n]), ("value", value[:n]))
         if md.num_decodes:
             ops.decode(out, q, k, v, kv_cache, md, st, self.scale)
         if md.num_prefills:
             ops.prefill(out, q, k, v, kv_cache, md, st, self.scale)
-        if st.maps["output"] is not None:
-            out.copy_(st.map("output", out.view(n, self.num_heads, self.head_size)).view_as(out))
+        st.map(("output", out.view(n, self.num_heads, self.head_size)), inplace=True)
         return output
 
 
@@ -230,7 +249,7 @@ def _tp_rank_size() -> tuple[int, int]:
 
 def _log_memory(impl: PQAttentionImpl, st: LayerState) -> None:
     layers = impl.codebook_info.num_layers
-    esz = 2  # fp16 / bf16
+    esz = st.k_cb.element_size()  # the model's activation dtype: what a dense cache holds
     per_token = impl.num_kv_heads * st.layout.state_bytes * layers
     dense = 2 * impl.num_kv_heads * impl.head_size * esz * layers
     books = 2 * st.k_cb32.numel() * (4 + esz) * layers

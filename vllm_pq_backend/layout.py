@@ -99,6 +99,7 @@ class PageLayout:
     def v_code_offset(self, token, sub):
         return self.v_offset + sub * self.block_size + token
 
-    def kernel_args(self) -> tuple[int, int, int, int]:
-        """(k_offset, k_token_stride, v_offset, v_sub_stride) for csrc/pq_layout.h."""
-        return (self.k_offset, self.m_k, self.v_offset, self.block_size)
+    def kernel_args(self) -> tuple[int, int, int, int, int]:
+        """(k_offset, k_token_stride, v_offset, v_sub_stride, nan_code): the CUDA kernels'
+        ``PageLayout`` (csrc/pq_kernels.h)."""
+        return (self.k_offset, self.m_k, self.v_offset, self.block_size, NAN_CODE)

@@ -17,9 +17,9 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
-from . import ops
+from . import codes_attention, ops
+from .codes_attention import CodesPlan, CodesShape
 from .config import PQConfig
-from .layout import window_start
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler, see __init__
 
@@ -82,6 +82,9 @@ class PrefillPlan:
     fp_dst: torch.Tensor | None = None
     seg_table: torch.Tensor | None = None
     seg_end: torch.Tensor | None = None
+    # the codes part on codes_attention's kernel (few rows per group), else None: on
+    # FlashAttention over the group's dequantized pages
+    codes: CodesPlan | None = None
     win_tokens: torch.Tensor | None = None  # rows written to the window store afterwards
     win_rows: torch.Tensor | None = None
     win_pos: torch.Tensor | None = None
@@ -107,6 +110,7 @@ class PQMetadata(AttentionMetadata):
     req_rows: torch.Tensor | None
     req_rows_cpu: list[int] | None
     num_splits: int
+    num_ctas: int  # decode kernel CTAs per KV-head group (ops.num_ctas_for)
     prefills: list[PrefillPlan]
     batch_invariant: bool = False  # VLLM_BATCH_INVARIANT=1, see PQMetadataBuilder
     # the decode kernel's split results (fp32), the builder's: one per engine and KV cache
@@ -133,10 +137,12 @@ def plan_prefill(
     device,
     batch_invariant: bool = False,
     pad_codes: bool = False,
+    codes_shape: CodesShape | None = None,
 ) -> PrefillPlan:
     """``pad_codes`` (sliding-window layers): each segment's codes-part rows run on to the
     segment's end with copies of its last row, so that every real row is exactly ``window``
-    after the position FlashAttention aligns it to (ops._prefill_fa)."""
+    after the position FlashAttention aligns it to (ops._prefill_fa). ``codes_shape``:
+    plan the codes part for codes_attention's kernel where it takes it."""
     starts = (qsl - qsl[0]).astype(np.int64)
     q_lens = np.diff(starts)
     lens = seq_lens.astype(np.int64)
@@ -155,64 +161,91 @@ def plan_prefill(
         seq_lens=_i32(lens, device),
         max_k=int(lens.max()),
     )
+    if codes_shape is not None:
+        # each request's rows that read codes: positions >= window (all without one)
+        first = lens - q_lens
+        a0 = np.maximum(first, window) if window > 0 else first
+        keep = lens > a0
+        runs = list(zip(*(x[keep].tolist() for x in (
+            np.arange(n), starts[:-1] + a0 - first, lens - a0, a0))))
+        plan.codes = codes_attention.plan(runs, *codes_shape, device, n, int(lens.max()))
     if window <= 0:
         return plan
-    total_q = int(starts[-1])
-    seg_q, seg_k, fp_src, st_rows, st_slots = [0], [0], [], [], []
-    code_rows, code_real, code_q, code_len, code_req = [], [], [0], [], []
-    seg_page, fp_dst, seg_end = [], [], []
-    win_tok, win_rows, win_pos = [], [], []
-    for i in range(n):
-        length, first, tok0 = int(lens[i]), int(lens[i] - q_lens[i]), int(starts[i])
-        for g0 in range(window_start(first, window), length, window):
-            a, e = max(first, g0), min(length, g0 + window)
-            seg_q.append(seg_q[-1] + e - a)
-            n_store = max(0, first - g0)  # earlier tokens of this segment
-            fp_src.extend(range(total_q + len(st_rows), total_q + len(st_rows) + n_store))
-            st_rows.extend([rows[i]] * n_store)
-            st_slots.extend(range(g0 % window, g0 % window + n_store))
-            fp_src.extend(range(tok0 + max(0, g0 - first), tok0 + e - first))
-            seg_k.append(seg_k[-1] + e - g0)
-            if g0 > 0:
-                code_real.extend(range(len(code_rows), len(code_rows) + e - a))
-                code_rows.extend(range(tok0 + a - first, tok0 + e - first))
-                pad = g0 + window - e if pad_codes else 0
-                code_rows.extend([tok0 + e - 1 - first] * pad)
-                code_q.append(code_q[-1] + e - a + pad)
-                code_len.append(g0)
-                code_req.append(i)
-            if batch_invariant:
-                s0 = len(seg_page) * block_size + g0 % block_size
-                fp_dst.extend(range(s0, s0 + e - g0))
-                seg_page.append(i * nb + g0 // block_size)
-                seg_end.append(e)
-        last = max(first, window_start(length - 1, window))
-        win_tok.extend(range(tok0 + last - first, tok0 + length - first))
-        win_rows.extend([rows[i]] * (length - last))
-        win_pos.extend(range(last, length))
-    i32 = dict(seg_cu_q=seg_q, seg_cu_k=seg_k, code_cu_q=code_q, code_len=code_len)
-    i64 = dict(fp_src=fp_src, store_rows=st_rows, store_slots=st_slots, code_rows=code_rows,
-               code_req=code_req, win_tokens=win_tok, win_rows=win_rows, win_pos=win_pos)
-    if pad_codes:
-        i64.update(code_real=code_real)
-    if batch_invariant:
-        pages = np.asarray(seg_page, dtype=np.int64)
-        table = pages_of[pages // nb]  # a copy: the request's pages, its segment's page
-        table[np.arange(len(pages)), pages % nb] = n * nb + np.arange(len(pages))  # -> copy
-        i32.update(seg_table=table, seg_end=seg_end)
-        i64.update(seg_page=pages, fp_dst=fp_dst)
+    i32, i64 = _segments(starts, q_lens, lens, np.asarray(rows, dtype=np.int64), window,
+                         block_size, nb, batch_invariant, pad_codes)
     for name, x in i32.items():
         setattr(plan, name, _i32(x, device))
     for name, x in i64.items():
         setattr(plan, name, _i64(x, device))
-    plan.seg_max_q = int(np.diff(seg_q).max())
-    plan.code_max_q = int(np.diff(code_q).max()) if len(code_q) > 1 else 0
-    plan.seg_max_k = int(np.diff(seg_k).max())
+    plan.seg_max_q = int(np.diff(i32["seg_cu_q"]).max())
+    plan.code_max_q = int(np.diff(i32["code_cu_q"]).max()) if len(i32["code_cu_q"]) > 1 else 0
+    plan.seg_max_k = int(np.diff(i32["seg_cu_k"]).max())
     return plan
 
 
+def _runs(starts, counts, steps=1) -> np.ndarray:
+    """Concatenated arithmetic runs ``starts[i] + steps[i] * (0 .. counts[i] - 1)``."""
+    counts = np.asarray(counts, dtype=np.int64)
+    at = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+    steps = np.broadcast_to(np.asarray(steps, dtype=np.int64), counts.shape)
+    return np.repeat(np.asarray(starts, dtype=np.int64), counts) + at * np.repeat(steps, counts)
+
+
+def _pairs(x, y) -> np.ndarray:
+    """[x0, y0, x1, y1, ...]: two pieces per segment, in order."""
+    x, y = np.broadcast_arrays(np.asarray(x, dtype=np.int64), np.asarray(y, dtype=np.int64))
+    return np.stack([x, y], axis=1).reshape(-1)
+
+
+def _cum0(x) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(x)]).astype(np.int64)
+
+
+def _segments(starts, q_lens, lens, rows, window, block_size, nb, batch_invariant, pad_codes):
+    """The window segments of each request's rows (layout.window_start): segment ``g0``
+    holds positions ``[g0, g0 + W)``; its rows attend causally to its full-precision keys
+    (this chunk's rows and, in the first, earlier steps' window store entries) and, when
+    ``g0 > 0``, to keys ``[0, g0)`` through codes. Numpy over all segments at once (a
+    Python loop over them took milliseconds a step at a few long prompts): the int32 and
+    int64 arrays of PrefillPlan's window fields, by name."""
+    n, w, total_q = len(lens), window, int(starts[-1])
+    first = lens - q_lens
+    ws = (first // w) * w
+    nseg = -(-(lens - ws) // w)
+    req = np.repeat(np.arange(n), nseg)
+    g0 = ws[req] + w * (np.arange(nseg.sum()) - np.repeat(np.cumsum(nseg) - nseg, nseg))
+    f, tok0 = first[req], starts[:-1][req]
+    a, e = np.maximum(f, g0), np.minimum(lens[req], g0 + w)
+    n_store = np.maximum(0, f - g0)  # earlier tokens of this segment (its first only)
+    # keys of each segment: its store entries (indexed after the chunk's rows), then rows
+    fp_src = _runs(_pairs(total_q + _cum0(n_store)[:-1], tok0 + np.maximum(0, g0 - f)),
+                   _pairs(n_store, e - a))
+    c = g0 > 0  # segments with a codes part
+    real = (e - a)[c]
+    pad = (g0 + w - e)[c] if pad_codes else np.zeros_like(real)
+    code_q = _cum0(real + pad)
+    code_rows = _runs(_pairs((tok0 + a - f)[c], (tok0 + e - 1 - f)[c]), _pairs(real, pad),
+                      _pairs(np.ones_like(real), 0))  # the real rows, then copies of the last
+    last = np.maximum(first, ((lens - 1) // w) * w)  # rows that end in the window store
+    i32 = dict(seg_cu_q=_cum0(e - a), seg_cu_k=_cum0(e - g0), code_cu_q=code_q,
+               code_len=g0[c])
+    i64 = dict(fp_src=fp_src, store_rows=np.repeat(rows[req], n_store),
+               store_slots=_runs(g0 % w, n_store), code_rows=code_rows, code_req=req[c],
+               win_tokens=_runs(starts[:-1] + last - first, lens - last),
+               win_rows=np.repeat(rows, lens - last), win_pos=_runs(last, lens - last))
+    if pad_codes:
+        i64.update(code_real=_runs(code_q[:-1], real))
+    if batch_invariant:
+        pages = req * nb + g0 // block_size
+        table = np.arange(n * nb).reshape(n, nb)[req]  # the request's pages, its segment's page
+        table[np.arange(len(pages)), pages % nb] = n * nb + np.arange(len(pages))  # -> copy
+        i32.update(seg_table=table, seg_end=e)
+        i64.update(seg_page=pages, fp_dst=_runs(np.arange(len(pages)) * block_size + g0 % block_size, e - g0))
+    return i32, i64
+
+
 def plan_prefills(qsl, seq_lens, block_table, block_size, window, rows, device, page_tokens,
-                  batch_invariant=False, pad_codes=False):
+                  batch_invariant=False, pad_codes=False, codes_shape=None):
     """Prefill requests split into consecutive groups whose dequantized pages (padded to
     the group's longest history) stay within ``page_tokens``; one plan per group."""
     plans, i, n = [], 0, len(seq_lens)
@@ -224,7 +257,7 @@ def plan_prefills(qsl, seq_lens, block_table, block_size, window, rows, device, 
             j += 1
         p = plan_prefill(qsl[i : j + 1], seq_lens[i:j], block_table[i:j], block_size, window,
                          rows[i:j] if rows is not None else None, device, batch_invariant,
-                         pad_codes)
+                         pad_codes, codes_shape)
         p.tok_start, p.tok_end = int(qsl[i] - qsl[0]), int(qsl[j] - qsl[0])
         p.req_start, p.req_end = i, j
         plans.append(p)
@@ -269,15 +302,13 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
         # all layers whose spec carries the window): its layers need padded codes rows.
         self.sliding = getattr(kv_cache_spec, "sliding_window", None) is not None
         sched = vllm_config.scheduler_config
-        # The window store has a row per admitted running request (impl.window_rows) and
-        # one more: the scratch row, where CUDA-graph padding requests (and dummy runs)
-        # write, never touching a live request's rows.
+        self._sched = sched
         self.max_num_seqs = sched.max_num_seqs
-        self.scratch_row = sched.max_num_active_seqs or sched.max_num_seqs
         max_len = vllm_config.model_config.max_model_len if vllm_config.model_config else 0
         self.prefill_page_tokens = prefill_page_tokens(max_len, self.block_size)
         size = max(sched.max_num_seqs, sched.max_num_batched_tokens)
-        self.req_rows = torch.full((size,), self.scratch_row, dtype=torch.int32, device=device)
+        self.req_rows = torch.empty((size,), dtype=torch.int32, device=device)
+        self._rows_filled_with = None  # the scratch row req_rows' unused entries hold
         dev = torch.device(device)
         self.num_sms = (
             torch.cuda.get_device_properties(dev).multi_processor_count
@@ -292,6 +323,7 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
         )
         group = max(1, q_heads // kv_heads)
         self.ctas_per_split = kv_heads * -(-group // MAX_QUERY_HEADS_PER_CTA)
+        self.codes_shape = CodesShape(group, kv_cache_spec.head_size, kv_heads, self.num_sms)
         self.ws_o = self.ws_lse = None
         if dev.type == "cuda":
             # CUDA graphs pad decode batches up to a capture size, which can pass max_num_seqs
@@ -308,6 +340,15 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
                 "(dequantized history + vLLM's Triton attention), slower than the decode "
                 "kernel."
             )
+
+    @property
+    def scratch_row(self) -> int:
+        """The window store's last row, where CUDA-graph padding requests and dummy runs
+        write, never touching a live request's rows. The store has a row per admitted
+        running request (impl.window_rows), a number the first layer settles when the
+        model first runs and writes back as ``max_num_active_seqs``: read at each build,
+        not when this builder is made, whichever of the two vLLM does first."""
+        return self._sched.max_num_active_seqs or self._sched.max_num_seqs
 
     def build(
         self,
@@ -326,14 +367,18 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
         seq_cpu = (seq_cpu if seq_cpu is not None else cam.seq_lens.cpu())[:n]
         rows_cpu = None
         if self.window > 0:
+            scratch = self.scratch_row
+            if self._rows_filled_with != scratch:  # CUDA-graph padding rows read these
+                self.req_rows.fill_(scratch)
+                self._rows_filled_with = scratch
             if cam.req_idx is None:
                 raise RuntimeError(
                     "The PQ residual window needs vLLM's model runner V2 (it gives each "
                     "request a stable row); unset VLLM_USE_V2_MODEL_RUNNER=0, or turn the "
                     "window off with --additional-config '{\"pq\": {\"window\": 0}}'."
                 )
-            rows = np.full(n, self.scratch_row, dtype=np.int32)
-            real = window_row(np.asarray(cam.req_idx[:n]), self.max_num_seqs, self.scratch_row)
+            rows = np.full(n, scratch, dtype=np.int32)
+            real = window_row(np.asarray(cam.req_idx[:n]), self.max_num_seqs, scratch)
             rows[: len(real)] = real
             self.req_rows[:n].copy_(torch.from_numpy(rows), non_blocking=True)
             rows_cpu = rows.tolist()
@@ -350,6 +395,7 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
                 self.prefill_page_tokens,
                 self.batch_invariant,
                 self.sliding,
+                None if self.batch_invariant else self.codes_shape,
             )
         return PQMetadata(
             num_reqs=n,
@@ -366,6 +412,7 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
             req_rows=self.req_rows[:n],
             req_rows_cpu=rows_cpu,
             num_splits=ops.num_splits_for(nd, self.ctas_per_split, self.num_sms),
+            num_ctas=ops.num_ctas_for(self.ctas_per_split, self.num_sms),
             prefills=prefills,
             batch_invariant=self.batch_invariant,
             ws_o=self.ws_o,

@@ -21,7 +21,7 @@ def kernels_available() -> bool:
     if kernels.load() is None:
         return False
     # Shapes for torch.compile / meta tensors: both ops only write into their arguments.
-    for name in ("store", "decode"):
+    for name in ("store", "decode", "map"):
         torch.library.register_fake(f"pq_backend::{name}")(lambda *args, **kwargs: None)
     return True
 
@@ -73,6 +73,13 @@ def workspace_slots(max_decodes: int, ctas_per_split: int, num_sms: int, q_heads
                for n in range(1, max_decodes + 1))
 
 
+def num_ctas_for(ctas_per_split: int, num_sms: int) -> int:
+    """Decode kernel CTAs per KV-head group: one wave of the GPU (a CTA per SM, as the
+    codebooks fill its shared memory), each taking its (request, split) items in turn and
+    loading the codebooks once rather than once per item."""
+    return max(1, num_sms // max(1, ctas_per_split))
+
+
 def num_splits_for(num_decodes: int, ctas_per_split: int, num_sms: int) -> int:
     """Codes splits per (request, KV head group), from the batch alone (so a CUDA graph
     captured for a batch size is right for any context; empty splits exit early).
@@ -111,25 +118,28 @@ def decode(out, query, key, value, kv_cache, md, state, scale: float) -> None:
     """Attention of one-token queries (rows ``[:md.num_decodes]``) over their context."""
     nd = md.num_decodes
     w = state.window
-    if w > 0:
-        rows = md.req_rows[:nd]
-        pos = md.seq_lens[:nd] - 1
-        reference.window_write(state.win_k, state.win_v, key[:nd], value[:nd], rows, pos, w)
     if use_kernels(query):
         hq = query.shape[1]
         slots = nd * hq * md.num_splits
         ws_o, ws_lse = md.ws_o[: slots * state.d], md.ws_lse[:slots]
-        empty = query.new_empty(0)
+        def empty():  # a tensor of its own for each mutable argument the op is not given
+            return query.new_empty(0)
+
+        # with a window, the kernel first writes each token's key and value into it
         torch.ops.pq_backend.decode(
             out[:nd], query[:nd], kv_cache, md.block_table[:nd], md.seq_lens[:nd],
             state.k_cb, state.v_cb,
-            state.win_k if w > 0 else empty, state.win_v if w > 0 else empty,
+            state.win_k if w > 0 else empty(), state.win_v if w > 0 else empty(),
             md.req_rows[:nd] if w > 0 else md.seq_lens.new_empty(0),
-            w, state.sliding_window, md.num_splits, scale,
+            key[:nd] if w > 0 else empty(), value[:nd] if w > 0 else empty(),
+            w, state.sliding_window, md.num_splits, md.num_ctas, scale,
             lut_scores(hq, state.k_cb.shape[0], state.d, state.layout.m_k),
             ws_o, ws_lse, *state.layout.kernel_args(),
         )
         return
+    if w > 0:
+        reference.window_write(state.win_k, state.win_v, key[:nd], value[:nd],
+                               md.req_rows[:nd], md.seq_lens[:nd] - 1, w)
     res = reference.attention(
         query[:nd], key[:nd], value[:nd], kv_cache, state.k_cb32, state.v_cb32,
         state.layout, md.query_start_loc_cpu[: nd + 1].tolist(),
@@ -216,13 +226,34 @@ def _causal_window(state) -> tuple[int, int]:
     return (sw - 1, 0) if sw > 0 else (-1, -1)
 
 
+def _codes_part(p, q, kv_cache, state, scale):
+    """(out fp32, lse) of every row of the group that reads codes, by codes_attention's
+    kernel (``p.codes``: rows no run covers hold garbage)."""
+    from .codes_attention import codes_attention
+
+    c = p.codes
+    return codes_attention(
+        q, kv_cache, p.block_ids.view(p.num_prefills, -1), state.k_cb, state.v_cb,
+        state.layout, c.tiles, c.max_keys, state.window, state.sliding_window, scale,
+        splits=c.splits,
+    )
+
+
 def _prefill_fa(fa, p, out, q, k, v, kv_cache, state, scale) -> None:
+    """Prefill with FlashAttention for the full-precision part and, for the codes part,
+    codes_attention's kernel where the plan chose it (few rows next to the history they
+    read), else FlashAttention over the group's dequantized pages."""
     varlen, fa_version = fa
+    version = fa_version(head_size=q.shape[-1])
     # Pages of a sliding-window layer older than its window may be freed (stale block
     # ids): dequantizing them reads other blocks' codes, which the window then masks.
-    kp, vp = dequant_pages(kv_cache, p.block_ids, state.k_cb, state.v_cb, state.layout)
-    version = fa_version(head_size=q.shape[-1])
-    if p.seg_cu_q is None:  # window 0: one causal call over the pages
+    kp = vp = None
+    if p.codes is None:
+        kp, vp = dequant_pages(kv_cache, p.block_ids, state.k_cb, state.v_cb, state.layout)
+    if p.seg_cu_q is None:  # window 0: every key through its codes, causal
+        if p.codes is not None:
+            out.copy_(_codes_part(p, q, kv_cache, state, scale)[0])
+            return
         varlen(
             q=q, k=kp, v=vp, out=out, cu_seqlens_q=p.cu_q, max_seqlen_q=p.max_q,
             seqused_k=p.seq_lens, max_seqlen_k=p.max_k, softmax_scale=scale, causal=True,
@@ -240,21 +271,25 @@ def _prefill_fa(fa, p, out, q, k, v, kv_cache, state, scale) -> None:
     if p.code_rows.numel() == 0:
         out.copy_(o_fp)
         return
-    # Codes part: every query of a segment sees all keys before the segment start. On a
-    # sliding-window layer query i sees keys j > i - sw only: FlashAttention aligns query
-    # rows to the keys' end, so the plan pads each segment's rows to a whole window
-    # (p.code_real marks the real ones) and every row sits exactly W after its aligned
-    # position; (sw - 1 - W, unbounded) is then the window in absolute positions.
-    sw = state.sliding_window
     rows = p.code_rows if p.code_real is None else p.code_rows[p.code_real]
-    o_c, lse_c = varlen(
-        q=q[p.code_rows], k=kp, v=vp, cu_seqlens_q=p.code_cu_q, max_seqlen_q=p.code_max_q,
-        seqused_k=p.code_len, max_seqlen_k=p.max_k, softmax_scale=scale, causal=False,
-        window_size=(sw - 1 - state.window, -1) if sw > 0 else (-1, -1),
-        block_table=p.page_table[p.code_req], return_softmax_lse=True, fa_version=version,
-    )
-    if p.code_real is not None:
-        o_c, lse_c = o_c[p.code_real], lse_c[:, p.code_real]
+    if p.codes is not None:
+        o_c, lse_c = _codes_part(p, q, kv_cache, state, scale)
+        o_c, lse_c = o_c[rows], lse_c[:, rows]
+    else:
+        # Codes part: every query of a segment sees all keys before the segment start. On
+        # a sliding-window layer query i sees keys j > i - sw only: FlashAttention aligns
+        # query rows to the keys' end, so the plan pads each segment's rows to a whole
+        # window (p.code_real marks the real ones) and every row sits exactly W after its
+        # aligned position; (sw - 1 - W, unbounded) is then the window in absolute positions.
+        sw = state.sliding_window
+        o_c, lse_c = varlen(
+            q=q[p.code_rows], k=kp, v=vp, cu_seqlens_q=p.code_cu_q, max_seqlen_q=p.code_max_q,
+            seqused_k=p.code_len, max_seqlen_k=p.max_k, softmax_scale=scale, causal=False,
+            window_size=(sw - 1 - state.window, -1) if sw > 0 else (-1, -1),
+            block_table=p.page_table[p.code_req], return_softmax_lse=True, fa_version=version,
+        )
+        if p.code_real is not None:
+            o_c, lse_c = o_c[p.code_real], lse_c[:, p.code_real]
     out.copy_(o_fp)
     out[rows] = _merge(o_fp[rows], lse_fp[:, rows], o_c, lse_c).to(out.dtype)
 

@@ -82,6 +82,14 @@ def read_codes(kv_cache, blocks, length: int, layout: PageLayout):
     return codes_at(kv_cache, slots, layout)
 
 
+def map_rows(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``x [n, heads, d]`` through the codebooks' maps ``t [maps, d, d]`` (fp32; head ``h``
+    uses map ``h // (heads // maps)``): ``x[r, h] @ t[...]``, back in ``x``'s dtype."""
+    n, h, d = x.shape
+    y = torch.matmul(x.float().view(n, t.shape[0], -1, d), t)  # dense [n, maps, group, d]
+    return y.view(n, h, d).to(x.dtype)
+
+
 def window_write(win_k, win_v, key, value, rows, positions, window: int) -> None:
     """Put rows ``key/value [n, H, d]`` of positions ``positions`` into the window store."""
     if window <= 0 or rows.numel() == 0:
@@ -162,3 +170,42 @@ def attention(
         o[reads_bad.any(1)] = float("nan")  # [q, Hkv] rows
         out[qs:qe] = o.reshape(-1, hq, d)
     return out
+
+
+def codes_part(
+    query: torch.Tensor,  # [n, Hq, d] rows
+    positions: list[int],  # [n] position of each row in its request
+    requests: list[int],  # [n] each row's request (its row of block_table)
+    kv_cache: torch.Tensor,
+    k_cb: torch.Tensor,
+    v_cb: torch.Tensor,
+    layout: PageLayout,
+    block_table: torch.Tensor,
+    scale: float,
+    window: int = 0,
+    sliding_window: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The part of ``attention`` read through codes, as a partial softmax: each row at
+    position ``i`` over its request's keys ``j < window_start(i, window)`` (and ``j > i -
+    sliding_window``). Returns ``(out [n, Hq, d] fp32, lse [Hq, n])`` (natural log); a row
+    that reads no key gets 0 and -inf, one that reads a NaN-marked key NaN."""
+    n, hq, d = query.shape
+    hkv = k_cb.shape[0]
+    g = hq // hkv
+    out = torch.zeros(n, hq, d, dtype=torch.float32, device=query.device)
+    lse = torch.full((hq, n), float("-inf"), dtype=torch.float32, device=query.device)
+    for r in range(n):
+        pos = positions[r]
+        end = int(window_start(pos, window))
+        lo = max(0, pos - sliding_window + 1) if sliding_window > 0 else 0
+        if end <= lo:
+            continue
+        kc, vc = read_codes(kv_cache, block_table[requests[r]], end, layout)
+        k_hat = decode_codes(kc, k_cb).float()[lo:]  # [keys, Hkv, d]
+        v_hat = decode_codes(vc, v_cb).float()[lo:]
+        q = query[r].float().view(hkv, g, d)
+        s = torch.einsum("hgd,khd->hgk", q, k_hat) * scale
+        lse[:, r] = torch.logsumexp(s, dim=-1).view(hq)
+        o = torch.einsum("hgk,khd->hgd", torch.softmax(s, dim=-1), v_hat)
+        out[r] = o.reshape(hq, d)
+    return out, lse

@@ -1,0 +1,27 @@
+"""Compiles vllm_pq_backend.codes_attention's kernel for sm_90 (no GPU needed) at every
+head size, bfloat16 and float16; run by tests/test_codes_attention.py in a process of its
+own, without Triton's interpreter."""
+
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+
+from vllm_pq_backend import codes_attention as ca
+from vllm_pq_backend.layout import NAN_CODE
+
+POINTERS = {"q_ptr": None, "kcb_ptr": None, "vcb_ptr": None, "o_ptr": "fp32", "lse_ptr": "fp32",
+            "kv_ptr": "u8", "table_ptr": "i32", "tile_req_ptr": "i32", "tile_row_ptr": "i32",
+            "tile_rows_ptr": "i32", "tile_pos_ptr": "i32"}  # None: the activation dtype
+
+for dtype in ("bf16", "fp16"):
+    for d, mk, mv in ((64, 32, 32), (128, 64, 32), (256, 128, 128)):
+        const = dict(WINDOW=128, SLIDING=1024, HEAD_DIM=d, MK=mk, MV=mv, PAGE=128, K_OFF=0,
+                     K_TOK=mk, V_OFF=128 * mk, V_SUB=128, CENTROIDS=256, NAN=NAN_CODE, GROUP=4,
+                     BLOCK_M=ca.block_m(d), BLOCK_N=ca.BLOCK_N)
+        fn = ca._codes_attention_kernel
+        sig = {n: "constexpr" if n in const else "*" + (POINTERS[n] or dtype) if n in POINTERS
+               else "fp32" if n == "scale_log2" else "i64" if n.endswith("stride") else "i32"
+               for n in fn.arg_names}
+        kernel = compile(ASTSource(fn=fn, signature=sig, constexprs=const),
+                         target=GPUTarget("cuda", 90, 32), options={"num_warps": ca.NUM_WARPS})
+        assert kernel.asm["cubin"]
+        print("compiled", dtype, d, mk, mv, flush=True)

@@ -1,0 +1,151 @@
+"""The Triton codes-attention kernel (prefill's codes part) against reference.codes_part,
+row by row. On a GPU it runs compiled (float16 and bfloat16); without one, Triton's
+interpreter runs the same kernel on the CPU (float16: the interpreter has no bfloat16 dot; conftest.py
+turns it on)."""
+
+import math
+
+import pytest
+import torch
+
+from vllm_pq_backend import codebooks, reference
+from vllm_pq_backend.layout import NAN_CODE, PageLayout
+
+GPU = torch.cuda.is_available()
+DEV = "cuda" if GPU else "cpu"
+DTYPES = [torch.float16, torch.bfloat16] if GPU else [torch.float16]
+TOL = {torch.bfloat16: 1.5e-2, torch.float16: 4e-3}  # P in 16 bits for the PV product
+
+
+@pytest.fixture(scope="module")
+def ca():
+    """The kernel module (under Triton's interpreter without a GPU: conftest.py)."""
+    from vllm_pq_backend import codes_attention
+
+    return codes_attention
+
+
+def make_case(chunks, *, d, mk, mv, g, hkv, block, dtype, seed):
+    """Requests given as (length, new rows): pages of random codes over shuffled blocks,
+    codebooks exactly representable in ``dtype``, queries for the new rows."""
+    gen = torch.Generator().manual_seed(seed)
+    lay = PageLayout(block, mk, mv)
+    need = [math.ceil(length / block) for length, _ in chunks]
+    blocks = torch.randperm(sum(need) + 3, generator=gen)[: sum(need)] + 1
+    table = torch.zeros(len(chunks), max(need), dtype=torch.int32)
+    at = 0
+    for i, n in enumerate(need):
+        table[i, :n] = blocks[at : at + n]
+        at += n
+    cache = torch.randint(0, 255, (sum(need) + 4, hkv, block, lay.state_bytes), generator=gen,
+                          dtype=torch.uint8)  # 255 (NAN_CODE) only where a test puts it
+    k_cb = codebooks.nan_marked(torch.randn(hkv, mk, 256, d // mk, generator=gen) * 0.5).to(dtype)
+    v_cb = codebooks.nan_marked(torch.randn(hkv, mv, 256, d // mv, generator=gen)).to(dtype)
+    rows = sum(n for _, n in chunks)
+    q = torch.randn(rows, hkv * g, d, generator=gen).to(dtype)
+    positions, requests, runs = [], [], []
+    for i, (length, n) in enumerate(chunks):
+        runs.append((i, len(positions), n, length - n))
+        positions += list(range(length - n, length))
+        requests += [i] * n
+    return dict(lay=lay, table=table, cache=cache, k_cb=k_cb, v_cb=v_cb, q=q,
+                positions=positions, requests=requests, runs=runs, scale=d**-0.5)
+
+
+def run(ca, c, window, sliding, splits):
+    req, row0, rows, pos0 = zip(*c["runs"])
+    g = c["q"].shape[1] // c["k_cb"].shape[0]
+    tiles = [torch.as_tensor(x, device=DEV) for x in
+             ca.plan_tiles(req, row0, rows, pos0, g, c["q"].shape[-1])]
+    return ca.codes_attention(
+        c["q"].to(DEV), c["cache"].to(DEV), c["table"].to(DEV), c["k_cb"].to(DEV),
+        c["v_cb"].to(DEV), c["lay"], tiles, max(c["positions"]) + 1, window, sliding,
+        c["scale"], splits=splits)
+
+
+def check(c, out, lse, window, sliding, dtype):
+    want, want_lse = reference.codes_part(
+        c["q"], c["positions"], c["requests"], c["cache"], c["k_cb"], c["v_cb"], c["lay"],
+        c["table"], c["scale"], window, sliding)
+    out, lse = out.cpu(), lse.cpu()
+    assert torch.equal(torch.isinf(lse), torch.isinf(want_lse)), "rows that read no key differ"
+    fin = torch.isfinite(want_lse)
+    assert (lse[fin] - want_lse[fin]).abs().max() <= 2e-3 * max(1.0, want_lse[fin].abs().max())
+    err = (out - want).abs().amax(-1)  # [rows, Hq]
+    bound = TOL[dtype] * want.abs().amax(-1).clamp_min(1.0)
+    bad = err > bound
+    assert not bad.any(), f"(row, head) {torch.nonzero(bad)[:5].tolist()} err {err[bad][:5]}"
+
+
+@pytest.mark.parametrize("d,mk,mv", [(64, 32, 32), (64, 32, 16), (128, 32, 32), (128, 64, 64)])
+@pytest.mark.parametrize("g", [1, 3, 4])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_codes_part_matches_reference(ca, d, mk, mv, g, dtype):
+    """A prefix-cache hit (5 new rows after 300), a chunk of 70 rows straddling windows,
+    and a fresh prompt; window 64: every row reads the keys before its window."""
+    c = make_case([(305, 5), (200, 70), (130, 130)], d=d, mk=mk, mv=mv, g=g, hkv=2,
+                  block=64, dtype=dtype, seed=d + mk + g)
+    out, lse = run(ca, c, 64, 0, splits=1)
+    check(c, out, lse, 64, 0, dtype)
+
+
+@pytest.mark.parametrize("window,sliding,splits", [
+    (0, 0, 1),  # no window: causal over codes, the row's own token included
+    (32, 0, 3),  # splits merged by LSE
+    (64, 100, 1),  # sliding window: keys j > i - 100 only
+    (32, 96, 4),
+])
+def test_codes_part_windows_and_splits(ca, window, sliding, splits):
+    c = make_case([(400, 40), (97, 97), (33, 2)], d=64, mk=32, mv=32, g=3, hkv=2, block=32,
+                  dtype=torch.float16, seed=window + sliding + splits)
+    out, lse = run(ca, c, window, sliding, splits)
+    check(c, out, lse, window, sliding, torch.float16)
+
+
+def test_nan_marked_key_reaches_only_its_readers(ca):
+    """A NaN-marked value at position 100: rows whose keys include it are NaN; rows of the
+    sliding window that no longer see it, or whose codes end before it, are not."""
+    c = make_case([(400, 400)], d=64, mk=32, mv=32, g=2, hkv=2, block=32,
+                  dtype=torch.float16, seed=11)
+    lay, blk = c["lay"], int(c["table"][0, 100 // 32])
+    region = c["cache"].flatten(2)[blk, 1]  # (block, KV head 1) bytes
+    region[lay.v_code_offset(100 % 32, 0)] = NAN_CODE  # V subspace 0 of token 100
+    out, lse = run(ca, c, 32, 160, splits=2)
+    check_rows = torch.isnan(out.cpu()).any(-1)  # [rows, Hq]
+    pos = torch.tensor(c["positions"])
+    reads = (pos >= 128) & (pos - 160 < 100)  # codes end at window_start >= 128; sliding
+    assert torch.equal(check_rows[:, 2:], reads.view(-1, 1).expand(-1, 2))  # head 1's queries
+    assert not check_rows[:, :2].any()
+    want, _ = reference.codes_part(c["q"], c["positions"], c["requests"], c["cache"],
+                                   c["k_cb"], c["v_cb"], lay, c["table"], c["scale"], 32, 160)
+    assert torch.equal(torch.isnan(want).any(-1), check_rows)
+
+
+def test_plan_takes_few_rows_over_long_histories(ca):
+    """A prefix-cache hit (16 rows after 8K) goes to the kernel; a fresh 2K-token prompt
+    (every row over little history) stays on FlashAttention over dequantized pages."""
+    shape = dict(group=4, head_dim=128, kv_heads=8, num_sms=132, device="cpu")
+    hit = ca.plan([(0, 0, 16, 8192)], **shape, num_requests=1, max_len=8208)
+    assert hit is not None and hit.max_keys == 8208
+    assert hit.tiles[2].tolist() == [16] and hit.splits > 1  # one tile: splits fill the GPU
+    assert ca.plan([(0, 0, 2048, 0)], **shape, num_requests=1, max_len=2048) is None
+    assert ca.plan([], **shape, num_requests=1, max_len=10) is None
+    # more query heads per KV head than a program's rows (Falcon-7B: 71 on one KV head)
+    wide = dict(shape, head_dim=64, group=71, kv_heads=1)
+    assert ca.plan([(0, 0, 16, 8192)], **wide, num_requests=1, max_len=8208) is None
+
+
+def test_kernel_compiles_for_hopper():
+    """Triton compiles the kernel for sm_90 at every head size, bfloat16 and float16, with
+    no GPU (in a process of its own: the interpreter the CPU tests run in does not lower
+    it), so that an error of the real compiler does not wait for a GPU."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    here = os.path.dirname(os.path.abspath(__file__))
+    res = subprocess.run([sys.executable, os.path.join(here, "compile_codes_attention.py")],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.count("compiled") == 6, res.stdout

@@ -93,7 +93,8 @@ def test_codes_part_matches_reference(ca, d, mk, mv, g, dtype):
     (0, 0, 1),  # no window: causal over codes, the row's own token included
     (32, 0, 3),  # splits merged by LSE
     (64, 100, 1),  # sliding window: keys j > i - 100 only
-    (32, 96, 4),
+    (32, 96, 4),  # splits of the sliding window's span, not of the history
+    (32, 48, 16),  # more splits asked for than the span has blocks
 ])
 def test_codes_part_windows_and_splits(ca, window, sliding, splits):
     c = make_case([(400, 40), (97, 97), (33, 2)], d=64, mk=32, mv=32, g=3, hkv=2, block=32,

@@ -227,7 +227,13 @@ def codes_attention(q, kv_cache, block_table, k_cb, v_cb, layout: PageLayout, ti
     tile_req, tile_row, tile_rows, tile_pos = tiles
     # The split results cover every row of q (rows that read no codes too): bound them.
     splits = max(1, min(splits, SPLIT_BYTES // max(1, rows * hq * d * 4)))
-    split_keys = -(-max(1, max_keys) // (splits * BLOCK_N)) * BLOCK_N
+    span = max(1, max_keys)
+    if sliding_window > 0:
+        # a tile's keys lie within sliding_window + its rows of each other (its first key
+        # rounded down to a block): split that span, not the whole history
+        span = min(span, sliding_window + rows_per_tile(hq // hkv, d) + BLOCK_N)
+        splits = min(splits, -(-span // BLOCK_N))
+    split_keys = -(-span // (splits * BLOCK_N)) * BLOCK_N
     o = torch.empty((splits, rows, hq, d), dtype=torch.float32, device=q.device)
     lse = torch.empty((splits, hq, rows), dtype=torch.float32, device=q.device)
     pages = kv_cache.view(torch.uint8)

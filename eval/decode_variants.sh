@@ -10,6 +10,8 @@ set -euo pipefail
 src=$(cd "$(dirname "$0")/.." && pwd)
 for v in "$@"; do
   dst=$(mktemp -d)/tree && cp -r "$src" "$dst" && cd "$dst"
+  # an in-place build would win over the variant's just-in-time one (kernels.load)
+  rm -rf vllm_pq_backend/_C*.so build
   case $v in
     w8p) sed -i 's/kWarps = .*;/kWarps = 8;/; s/kPrefetch = .*;/kPrefetch = D <= 128;/' csrc/pq_decode.cuh ;;
     w12) sed -i 's/kWarps = .*;/kWarps = 12;/; s/kPrefetch = .*;/kPrefetch = false;/' csrc/pq_decode.cuh ;;

@@ -60,19 +60,13 @@ struct DecodeCfg {
   static constexpr int kThreads = 32 * kWarps;
   static constexpr bool kPrefetch = false;
   static constexpr int kCbBytes = 2 * kCentroids * D * (int)sizeof(T);
-  // Cross-warp reduction in kRedRounds rounds: with 2 the upper half of the warps hands its
-  // partial results to the lower half first, halving the region (the codebooks + region
-  // decide the shared-memory carveout, and what is left of the SM's 256 KB is L1).
-  static constexpr int kRedRounds = 1;
-  static constexpr int kRedWarps = kWarps / kRedRounds;
-  static constexpr int kRedBytes = kRedWarps * kHeadsPerCta * (D + 2) * (int)sizeof(float);
+  static constexpr int kRedBytes = kWarps * kHeadsPerCta * (D + 2) * (int)sizeof(float);
   // the codebooks stay for the next item: the cross-warp reduction has its own region
   static constexpr int kRedOffset = kCbSmem ? kCbBytes : 0;
   static constexpr int kSmem = kRedOffset + kRedBytes;
   static_assert(DSK >= 2 && DSK <= 8 && DSV >= 2 && DSV <= 8 && D % 16 == 0 && MK % 8 == 0 &&
                 MV % 8 == 0, "unsupported D/M");
   static_assert(VSUB * DWV == NT, "tiles");
-  static_assert((kRedRounds == 1 || kRedRounds == 2) && kWarps % kRedRounds == 0, "rounds");
 };
 
 // Shared-memory codebook layouts, in units of UW 32-bit words (a centroid, or one LUT
@@ -462,46 +456,16 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
     }
     __syncthreads();  // the previous item's readers of the reduction region are done
     float* red = reinterpret_cast<float*>(pq_smem + C::kRedOffset);  // [warp][head][D + 2]
-    auto put = [&]() {  // this warp's (o, m, l) into its slot
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float* dst = red + ((warp % C::kRedWarps) * kHeadsPerCta + 2 * c + e) * (D + 2);
+    for (int e = 0; e < 2; ++e) {
+      float* dst = red + (warp * kHeadsPerCta + 2 * c + e) * (D + 2);
 #pragma unroll
-        for (int i = 0; i < C::NT; ++i) {
-          const int dim = (8 * (i / C::DWV) + r) * C::DSV + 2 * (i % C::DWV);
-          dst[dim] = o[i][e];
-          dst[dim + 1] = o[i][e + 2];
-        }
-        if (r == 0) dst[D] = m_run[e], dst[D + 1] = l_run[e];
+      for (int i = 0; i < C::NT; ++i) {
+        const int dim = (8 * (i / C::DWV) + r) * C::DSV + 2 * (i % C::DWV);
+        dst[dim] = o[i][e];
+        dst[dim + 1] = o[i][e + 2];
       }
-    };
-    if constexpr (C::kRedRounds == 2) {
-      // The upper warps' results first, merged by the lower warp of the same slot into its
-      // registers (as the final pass merges warps: NaN propagates, -inf rows stay empty).
-      if (warp >= C::kRedWarps) put();
-      __syncthreads();
-      if (warp < C::kRedWarps) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float* src = red + (warp * kHeadsPerCta + 2 * c + e) * (D + 2);
-          const float mp = src[D], lp = src[D + 1];
-          const float m_new = fmaxf(m_run[e], mp);
-          const float m_use = m_new == -CUDART_INF_F ? 0.f : m_new;
-          const float fa = exp2f(m_run[e] - m_use), fb = exp2f(mp - m_use);
-#pragma unroll
-          for (int i = 0; i < C::NT; ++i) {
-            const int dim = (8 * (i / C::DWV) + r) * C::DSV + 2 * (i % C::DWV);
-            o[i][e] = o[i][e] * fa + src[dim] * fb;
-            o[i][e + 2] = o[i][e + 2] * fa + src[dim + 1] * fb;
-          }
-          l_run[e] = l_run[e] * fa + lp * fb;
-          m_run[e] = m_new;
-        }
-        __syncwarp();  // every lane has read the slot before lane r = 0 rewrites m and l
-        put();
-      }
-    } else {
-      put();
+      if (r == 0) dst[D] = m_run[e], dst[D + 1] = l_run[e];
     }
     __syncthreads();
     float* o_out = a.ws_o + (((int64_t)req * a.num_heads + h0) * slots + slot) * D;
@@ -509,11 +473,11 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
       const int head = idx / D, dim = idx % D;
       float mstar = -CUDART_INF_F;
 #pragma unroll
-      for (int w = 0; w < C::kRedWarps; ++w) mstar = fmaxf(mstar, red[(w * kHeadsPerCta + head) * (D + 2) + D]);
+      for (int w = 0; w < C::kWarps; ++w) mstar = fmaxf(mstar, red[(w * kHeadsPerCta + head) * (D + 2) + D]);
       float num = 0.f, den = 0.f;
       if (mstar != -CUDART_INF_F) {
 #pragma unroll
-        for (int w = 0; w < C::kRedWarps; ++w) {
+        for (int w = 0; w < C::kWarps; ++w) {
           const float* src = red + (w * kHeadsPerCta + head) * (D + 2);
           const float f = exp2f(src[D] - mstar);
           num += f * src[dim];

@@ -5,7 +5,6 @@
 # tests, then the decode bench at a few shapes. Writes eval/results/decode_variants/<name>.json.
 #
 #     bash eval/decode_variants.sh w8p w12 w16
-#     bash eval/decode_variants.sh red1 red2
 set -euo pipefail
 src=$(cd "$(dirname "$0")/.." && pwd)
 for v in "$@"; do
@@ -16,12 +15,9 @@ for v in "$@"; do
     w8p) sed -i 's/kWarps = .*;/kWarps = 8;/; s/kPrefetch = .*;/kPrefetch = D <= 128;/' csrc/pq_decode.cuh ;;
     w12) sed -i 's/kWarps = .*;/kWarps = 12;/; s/kPrefetch = .*;/kPrefetch = false;/' csrc/pq_decode.cuh ;;
     w16) sed -i 's/kWarps = .*;/kWarps = 16;/; s/kPrefetch = .*;/kPrefetch = false;/' csrc/pq_decode.cuh ;;
-    # the cross-warp reduction in two rounds: half the shared memory for it, more L1
-    red1) sed -i 's/kRedRounds = .*;/kRedRounds = 1;/' csrc/pq_decode.cuh ;;
-    red2) sed -i 's/kRedRounds = .*;/kRedRounds = 2;/' csrc/pq_decode.cuh ;;
-    *) echo "unknown variant $v (w8p, w12, w16, red1, red2)" >&2; exit 2 ;;
+    *) echo "unknown variant $v (w8p, w12, w16)" >&2; exit 2 ;;
   esac
-  grep -n "kWarps = \|kPrefetch = \|kRedRounds = " csrc/pq_decode.cuh
+  grep -n "kWarps = \|kPrefetch = \" csrc/pq_decode.cuh
   export PYTHONPATH=$PWD
   python3 -c "from vllm_pq_backend import kernels; print('kernels:', kernels.load())"
   python3 -m pytest -q -x tests/test_kernels_gpu.py | tail -2

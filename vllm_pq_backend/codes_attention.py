@@ -188,7 +188,7 @@ class CodesPlan:
 # runs the products at ~3x this kernel's speed per (row, key); this kernel pays ~6 ps more
 # per (row, key, KV head) for its gathers and slower products, so it wins below ~120 rows
 # per key of history.
-BREAK_EVEN_ROWS = 128
+BREAK_EVEN_ROWS = 32  # measured: 128 new rows after 8K/32K cached keys ran 2.1x slower here than dequantizing (eval/results/prefill_break_even.json)
 
 SPLIT_BYTES = 256 << 20  # at most this much fp32 split output per call (codes_attention)
 

@@ -14,6 +14,7 @@ Triton compiles) with other tokens. Rows are appended to --out per backend; then
     python eval/bench_prefill.py --backend FLASH_ATTN
     python eval/bench_prefill.py --backend CUSTOM --m 64      # 4 bits (head_dim 128)
     python eval/bench_prefill.py --table
+    python eval/bench_prefill.py --backend CUSTOM --codes-rows 0 --suffix 16 --out X.json  # tuning
 """
 
 from __future__ import annotations
@@ -52,6 +53,11 @@ def run(args) -> list[dict]:
     def prompt(n, prefix=()):
         return TokensPrompt(prompt_token_ids=list(prefix) + [rng.randrange(1000, 120000) for _ in range(n)])
 
+    from vllm_pq_backend import codes_attention
+
+    if args.codes_rows is not None:
+        # the engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): the plan reads it
+        codes_attention.BREAK_EVEN_ROWS = args.codes_rows
     model = make_model_dir(args.m)
     kw = dict(model=model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
               max_model_len=args.long + 16, gpu_memory_utilization=args.gpu_memory_utilization,
@@ -84,7 +90,8 @@ def run(args) -> list[dict]:
         emit(case="prefix-hit", prefix_tokens=prefix_len, suffix_tokens=args.suffix,
              batch=args.hits, seconds=round(dt, 4), prompt_tok_s=round(args.hits * args.suffix / dt))
     stamp = dict(provenance(), bits=bits_of(128, args.m) if args.backend == "CUSTOM" else None,
-                 gpu_memory_utilization=args.gpu_memory_utilization)
+                 gpu_memory_utilization=args.gpu_memory_utilization,
+                 codes_rows=codes_attention.BREAK_EVEN_ROWS if args.backend == "CUSTOM" else None)
     return [dict(r, **stamp) for r in rows]
 
 
@@ -117,6 +124,9 @@ def main() -> int:
     p.add_argument("--prefix", type=int, nargs="+", default=[8192, 32768])
     p.add_argument("--suffix", type=int, default=128)
     p.add_argument("--hits", type=int, default=16)
+    p.add_argument("--codes-rows", type=int, default=None,
+                   help="CUSTOM: the prefill plan's threshold (codes_attention.BREAK_EVEN_ROWS): "
+                        "0 never reads codes directly, a huge value always does")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--out", default="eval/results/prefill.json")
     p.add_argument("--table", action="store_true", help="print the table of --out and exit")

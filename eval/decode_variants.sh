@@ -17,7 +17,7 @@ for v in "$@"; do
     w16) sed -i 's/kWarps = .*;/kWarps = 16;/; s/kPrefetch = .*;/kPrefetch = false;/' csrc/pq_decode.cuh ;;
     *) echo "unknown variant $v (w8p, w12, w16)" >&2; exit 2 ;;
   esac
-  grep -n "kWarps = \|kPrefetch = \" csrc/pq_decode.cuh
+  grep -n "kWarps = \|kPrefetch = " csrc/pq_decode.cuh
   export PYTHONPATH=$PWD
   python3 -c "from vllm_pq_backend import kernels; print('kernels:', kernels.load())"
   python3 -m pytest -q -x tests/test_kernels_gpu.py | tail -2

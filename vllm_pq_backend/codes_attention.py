@@ -182,13 +182,12 @@ class CodesPlan:
     max_keys: int
 
 
-# Query rows per key at which this kernel and the other path cost the same (an estimate,
-# to be tuned by eval/bench_prefill.py): the other path first dequantizes every page of the
-# group (~2 KB of traffic per token and KV head, ~0.7 ns on an H200), then FlashAttention
-# runs the products at ~3x this kernel's speed per (row, key); this kernel pays ~6 ps more
-# per (row, key, KV head) for its gathers and slower products, so it wins below ~120 rows
-# per key of history.
-BREAK_EVEN_ROWS = 32  # measured: 128 new rows after 8K/32K cached keys ran 2.1x slower here than dequantizing (eval/results/prefill_break_even.json)
+# Query rows per key of history below which this kernel is used instead of dequantizing
+# the group's pages for FlashAttention. Bandwidth and FLOP arithmetic put the break-even
+# near 120; measured on an H200 (eval/results/prefill_break_even/), 128 new rows after
+# 8K / 32K cached keys took 2.1-2.4x longer here than dequantizing, so the kernel is kept
+# for fewer rows (speculative verification, small chunks): below 32 (not yet timed).
+BREAK_EVEN_ROWS = 32
 
 SPLIT_BYTES = 256 << 20  # at most this much fp32 split output per call (codes_attention)
 

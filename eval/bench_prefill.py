@@ -14,7 +14,9 @@ Triton compiles) with other tokens. Rows are appended to --out per backend; then
     python eval/bench_prefill.py --backend FLASH_ATTN
     python eval/bench_prefill.py --backend CUSTOM --m 64      # 4 bits (head_dim 128)
     python eval/bench_prefill.py --table
-    python eval/bench_prefill.py --backend CUSTOM --codes-rows 0 --suffix 16 --out X.json  # tuning
+    # tuning the prefill plan: prefix hits only, each path forced, in one engine
+    python eval/bench_prefill.py --backend CUSTOM --lengths --long 0 --suffix 8 16 32 \
+        --codes-rows 0 1000000000 --out X.json
 """
 
 from __future__ import annotations
@@ -55,43 +57,52 @@ def run(args) -> list[dict]:
 
     from vllm_pq_backend import codes_attention
 
-    if args.codes_rows is not None:
-        # the engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): the plan reads it
-        codes_attention.BREAK_EVEN_ROWS = args.codes_rows
     model = make_model_dir(args.m)
+    longest = max([args.long, *args.lengths, max(args.prefix, default=0) + max(args.suffix)])
     kw = dict(model=model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-              max_model_len=args.long + 16, gpu_memory_utilization=args.gpu_memory_utilization,
+              max_model_len=longest + 16, gpu_memory_utilization=args.gpu_memory_utilization,
               enable_prefix_caching=True, seed=0)
     backend_kw, name = engine_backend(args.backend, args.m)
     llm = LLM(**kw, **backend_kw)
     sched = llm.llm_engine.vllm_config.scheduler_config
     rows = []
 
-    def emit(**row):
-        row = dict(backend=name, max_num_batched_tokens=sched.max_num_batched_tokens, **row)
-        print(json.dumps(row), flush=True)
-        rows.append(row)
+    custom = args.backend == "CUSTOM"
+    default_rows = codes_attention.BREAK_EVEN_ROWS
+    for codes_rows in args.codes_rows or [default_rows]:
+        # the engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): the plan reads
+        # the threshold at every step, so one engine can time each setting
+        codes_attention.BREAK_EVEN_ROWS = codes_rows
 
-    for n in args.lengths:
-        batch = max(1, args.batch_tokens // n)
-        timed(llm, [prompt(n) for _ in range(batch)])  # warm-up, other tokens
-        dt = timed(llm, [prompt(n) for _ in range(batch)])
-        emit(case="uncached", prompt_tokens=n, batch=batch, seconds=round(dt, 3),
-             prompt_tok_s=round(batch * n / dt))
-    timed(llm, [prompt(args.long)])
-    dt = timed(llm, [prompt(args.long)])
-    emit(case="long", prompt_tokens=args.long, batch=1, seconds=round(dt, 3),
-         prompt_tok_s=round(args.long / dt))
-    for prefix_len in args.prefix:
-        for _ in range(2):  # the first round warms up
-            prefix = [rng.randrange(1000, 120000) for _ in range(prefix_len)]
-            timed(llm, [prompt(args.suffix, prefix)])  # caches the prefix
-            dt = timed(llm, [prompt(args.suffix, prefix) for _ in range(args.hits)])
-        emit(case="prefix-hit", prefix_tokens=prefix_len, suffix_tokens=args.suffix,
-             batch=args.hits, seconds=round(dt, 4), prompt_tok_s=round(args.hits * args.suffix / dt))
-    stamp = dict(provenance(), bits=bits_of(128, args.m) if args.backend == "CUSTOM" else None,
-                 gpu_memory_utilization=args.gpu_memory_utilization,
-                 codes_rows=codes_attention.BREAK_EVEN_ROWS if args.backend == "CUSTOM" else None)
+        def emit(**row):
+            row = dict(backend=name, max_num_batched_tokens=sched.max_num_batched_tokens,
+                       codes_rows=codes_rows if custom else None, **row)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+
+        for n in args.lengths:
+            batch = max(1, args.batch_tokens // n)
+            timed(llm, [prompt(n) for _ in range(batch)])  # warm-up, other tokens
+            dt = timed(llm, [prompt(n) for _ in range(batch)])
+            emit(case="uncached", prompt_tokens=n, batch=batch, seconds=round(dt, 3),
+                 prompt_tok_s=round(batch * n / dt))
+        if args.long:
+            timed(llm, [prompt(args.long)])
+            dt = timed(llm, [prompt(args.long)])
+            emit(case="long", prompt_tokens=args.long, batch=1, seconds=round(dt, 3),
+                 prompt_tok_s=round(args.long / dt))
+        for suffix in args.suffix:
+            for prefix_len in args.prefix:
+                for _ in range(2):  # the first round warms up
+                    prefix = [rng.randrange(1000, 120000) for _ in range(prefix_len)]
+                    timed(llm, [prompt(suffix, prefix)])  # caches the prefix
+                    dt = timed(llm, [prompt(suffix, prefix) for _ in range(args.hits)])
+                emit(case="prefix-hit", prefix_tokens=prefix_len, suffix_tokens=suffix,
+                     batch=args.hits, seconds=round(dt, 4),
+                     prompt_tok_s=round(args.hits * suffix / dt))
+    codes_attention.BREAK_EVEN_ROWS = default_rows
+    stamp = dict(provenance(), bits=bits_of(128, args.m) if custom else None,
+                 gpu_memory_utilization=args.gpu_memory_utilization)
     return [dict(r, **stamp) for r in rows]
 
 
@@ -99,17 +110,19 @@ def table(path: str) -> str:
     rows = json.load(open(path))["rows"]
 
     def key(r):
-        return r["case"], r.get("prompt_tokens") or r.get("prefix_tokens")
+        return (r["case"], r.get("prompt_tokens") or r.get("prefix_tokens"),
+                r.get("suffix_tokens") or 0)
 
     fa = {key(r): r for r in rows if r["backend"] == "FLASH_ATTN"}
-    out = ["| case | tokens | backend | seconds | prompt tok/s | time vs FLASH_ATTN |",
-           "|---|---|---|---|---|---|"]
-    for r in sorted(rows, key=lambda r: (*key(r), r["backend"])):
+    out = ["| case | tokens | backend | codes rows | seconds | prompt tok/s | time vs FLASH_ATTN |",
+           "|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (*key(r), r["backend"], r.get("codes_rows") or 0)):
         base = fa.get(key(r))
         rel = f"{r['seconds'] / base['seconds']:.2f}x" if base else ""
         tokens = (f"{r['prefix_tokens']} + {r['batch']} x {r['suffix_tokens']}"
                   if r["case"] == "prefix-hit" else f"{r['batch']} x {r['prompt_tokens']}")
-        out.append(f"| {r['case']} | {tokens} | {r['backend']} | {r['seconds']} | "
+        codes_rows = "" if r.get("codes_rows") is None else r["codes_rows"]
+        out.append(f"| {r['case']} | {tokens} | {r['backend']} | {codes_rows} | {r['seconds']} | "
                    f"{r['prompt_tok_s']:,} | {rel} |")
     return "\n".join(out)
 
@@ -118,15 +131,15 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backend", choices=["CUSTOM", "FLASH_ATTN", "TURBOQUANT"])
     p.add_argument("--m", type=int, default=64, help="CUSTOM: subspaces (64: 4 bits, 32: 2 bits)")
-    p.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS))
+    p.add_argument("--lengths", type=int, nargs="*", default=list(LENGTHS))
     p.add_argument("--batch-tokens", type=int, default=65536)
-    p.add_argument("--long", type=int, default=131072 - 16)
+    p.add_argument("--long", type=int, default=131072 - 16, help="0: no long prompt")
     p.add_argument("--prefix", type=int, nargs="+", default=[8192, 32768])
-    p.add_argument("--suffix", type=int, default=128)
+    p.add_argument("--suffix", type=int, nargs="+", default=[128])
     p.add_argument("--hits", type=int, default=16)
-    p.add_argument("--codes-rows", type=int, default=None,
-                   help="CUSTOM: the prefill plan's threshold (codes_attention.BREAK_EVEN_ROWS): "
-                        "0 never reads codes directly, a huge value always does")
+    p.add_argument("--codes-rows", type=int, nargs="+", default=None,
+                   help="CUSTOM: the prefill plan's threshold (codes_attention.BREAK_EVEN_ROWS), "
+                        "each value in turn: 0 never reads codes directly, a huge value always does")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--out", default="eval/results/prefill.json")
     p.add_argument("--table", action="store_true", help="print the table of --out and exit")

@@ -68,18 +68,18 @@ def run(args) -> list[dict]:
     rows = []
 
     custom = args.backend == "CUSTOM"
+
+    def emit(**row):  # with the threshold in force
+        row = dict(backend=name, max_num_batched_tokens=sched.max_num_batched_tokens,
+                   codes_rows=codes_attention.BREAK_EVEN_ROWS if custom else None, **row)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+
     default_rows = codes_attention.BREAK_EVEN_ROWS
     for codes_rows in args.codes_rows or [default_rows]:
         # the engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): the plan reads
         # the threshold at every step, so one engine can time each setting
         codes_attention.BREAK_EVEN_ROWS = codes_rows
-
-        def emit(**row):
-            row = dict(backend=name, max_num_batched_tokens=sched.max_num_batched_tokens,
-                       codes_rows=codes_rows if custom else None, **row)
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-
         for n in args.lengths:
             batch = max(1, args.batch_tokens // n)
             timed(llm, [prompt(n) for _ in range(batch)])  # warm-up, other tokens

@@ -1,4 +1,4 @@
-"""Compiles vllm_pq_backend.codes_attention's kernel for sm_90 (no GPU needed) at every
+"""Compiles vllm_pq_backend.codes_attention's kernels (attention, dequantized pages) for sm_90 (no GPU needed) at every
 head size, bfloat16 and float16; run by tests/test_codes_attention.py in a process of its
 own, without Triton's interpreter."""
 
@@ -10,7 +10,15 @@ from vllm_pq_backend.layout import NAN_CODE
 
 POINTERS = {"q_ptr": None, "kcb_ptr": None, "vcb_ptr": None, "o_ptr": "fp32", "lse_ptr": "fp32",
             "kv_ptr": "u8", "table_ptr": "i32", "tile_req_ptr": "i32", "tile_row_ptr": "i32",
-            "tile_rows_ptr": "i32", "tile_pos_ptr": "i32"}  # None: the activation dtype
+            "tile_rows_ptr": "i32", "tile_pos_ptr": "i32", "ids_ptr": "i32", "first_ptr": "i64",
+            "k_ptr": None, "v_ptr": None}  # None: the activation dtype
+
+
+def signature(fn, const, dtype):
+    return {n: "constexpr" if n in const else "*" + (POINTERS[n] or dtype) if n in POINTERS
+            else "fp32" if n == "scale_log2" else "i64" if n.endswith("stride") else "i32"
+            for n in fn.arg_names}
+
 
 for dtype in ("bf16", "fp16"):
     for d, mk, mv in ((64, 32, 32), (128, 64, 32), (256, 128, 128)):
@@ -18,10 +26,14 @@ for dtype in ("bf16", "fp16"):
                      K_TOK=mk, V_OFF=128 * mk, V_SUB=128, CENTROIDS=256, NAN=NAN_CODE, GROUP=4,
                      BLOCK_M=ca.block_m(d), BLOCK_N=ca.BLOCK_N)
         fn = ca._codes_attention_kernel
-        sig = {n: "constexpr" if n in const else "*" + (POINTERS[n] or dtype) if n in POINTERS
-               else "fp32" if n == "scale_log2" else "i64" if n.endswith("stride") else "i32"
-               for n in fn.arg_names}
-        kernel = compile(ASTSource(fn=fn, signature=sig, constexprs=const),
+        kernel = compile(ASTSource(fn=fn, signature=signature(fn, const, dtype), constexprs=const),
                          target=GPUTarget("cuda", 90, 32), options={"num_warps": ca.NUM_WARPS})
         assert kernel.asm["cubin"]
-        print("compiled", dtype, d, mk, mv, flush=True)
+        print("compiled attention", dtype, d, mk, mv, flush=True)
+        const = dict(HKV=8, HEAD_DIM=d, MK=mk, MV=mv, K_OFF=0, K_TOK=mk,
+                     V_OFF=96 * mk, V_SUB=96, CENTROIDS=256, TOKENS=ca.DEQUANT_TOKENS)
+        fn = ca._dequant_pages_kernel
+        kernel = compile(ASTSource(fn=fn, signature=signature(fn, const, dtype), constexprs=const),
+                         target=GPUTarget("cuda", 90, 32), options={"num_warps": 4 if d <= 128 else 8})
+        assert kernel.asm["cubin"]
+        print("compiled dequant", dtype, d, mk, mv, flush=True)

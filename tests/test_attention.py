@@ -264,4 +264,12 @@ def _prefill_plan_steps(sim, window, codes):
     check(sim, sim.step([(0, 100), (1, 7)]), window)
     check(sim, sim.step([(0, 1), (1, 60), (2, 129)]), window)  # continuation chunks
     check(sim, sim.step([(2, 70), (0, 2)]), window)
+    # two prefix-cache hits on request 2's first two blocks, prefilled in one step (on
+    # FlashAttention their shared pages are dequantized once: ops._prefill_fa)
+    a = sim.reqs[2]
+    shared = sim.finish(2, keep_blocks=2)
+    for rid in (3, 4):
+        b = sim.add(rid, shared_blocks=shared)
+        b.q, b.k, b.v = ([torch.cat(x)[: 2 * sim.B]] for x in (a.q, a.k, a.v))
+    check(sim, sim.step([(0, 1), (3, 40), (4, 9)]), window)
     assert steps and all(steps)

@@ -137,7 +137,7 @@ def test_plan_takes_few_rows_over_long_histories(ca):
 
 
 def test_kernel_compiles_for_hopper():
-    """Triton compiles the kernel for sm_90 at every head size, bfloat16 and float16, with
+    """Triton compiles the kernels for sm_90 at every head size, bfloat16 and float16, with
     no GPU (in a process of its own: the interpreter the CPU tests run in does not lower
     it), so that an error of the real compiler does not wait for a GPU."""
     import os
@@ -149,4 +149,47 @@ def test_kernel_compiles_for_hopper():
     res = subprocess.run([sys.executable, os.path.join(here, "compile_codes_attention.py")],
                          env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.count("compiled") == 6, res.stdout
+    assert res.stdout.count("compiled") == 12, res.stdout
+
+
+def test_first_occurrence(ca):
+    gen = torch.Generator().manual_seed(3)
+    for n in (0, 1, 7, 300):
+        ids = torch.randint(0, max(1, n // 3), (n,), generator=gen, dtype=torch.int32)
+        first = ca.first_occurrence(ids.to(DEV)).cpu()
+        want = [ids.tolist().index(x) for x in ids.tolist()]
+        assert first.tolist() == want
+
+
+@pytest.mark.parametrize("d,mk,mv,block", [(64, 32, 16, 32), (128, 64, 64, 96), (128, 32, 64, 64),
+                                           (256, 128, 64, 32)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dequant_pages_matches_reference(ca, d, mk, mv, block, dtype):
+    """Every entry, duplicates included (three requests sharing a cached prefix), equals
+    reference.dequant_pages bit for bit through the entry ``first`` names, which holds
+    the same block id; a NaN-marked code stays NaN. Without ``first`` every entry is
+    written."""
+    gen = torch.Generator().manual_seed(d + mk + block)
+    hkv, blocks = 3, 12
+    lay = PageLayout(block, mk, mv)
+    cache = torch.randint(0, 255, (blocks, hkv, block, lay.state_bytes), generator=gen,
+                          dtype=torch.uint8)
+    cache.flatten(2)[5, 1, lay.v_code_offset(block - 1, 0)] = NAN_CODE
+    k_cb = codebooks.nan_marked(torch.randn(hkv, mk, 256, d // mk, generator=gen)).to(dtype)
+    v_cb = codebooks.nan_marked(torch.randn(hkv, mv, 256, d // mv, generator=gen)).to(dtype)
+    prefix = [5, 2, 9]
+    ids = torch.tensor([prefix + [4, 0], prefix + [7, 7], prefix + [11, 3]], dtype=torch.int32)
+    want_k, want_v = reference.dequant_pages(cache, ids.flatten(), k_cb, v_cb, lay)
+    assert want_v.isnan().any()
+    args = (cache.to(DEV), ids.flatten().to(DEV), k_cb.to(DEV), v_cb.to(DEV), lay)
+    first = ca.first_occurrence(args[1])
+    k, v = (x.cpu() for x in ca.dequant_pages(*args, first=first))
+    first, flat = first.cpu(), ids.flatten()
+    assert torch.equal(flat[first], flat) and (first <= torch.arange(flat.numel())).all()
+    assert first.unique().numel() == flat.unique().numel()
+    same = dict(rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(k[first], want_k, **same)
+    torch.testing.assert_close(v[first], want_v, **same)
+    k, v = (x.cpu() for x in ca.dequant_pages(*args))
+    torch.testing.assert_close(k, want_k, **same)
+    torch.testing.assert_close(v, want_v, **same)

@@ -266,3 +266,92 @@ def merge_splits(o: torch.Tensor, lse: torch.Tensor):
     w = torch.exp(lse - torch.where(torch.isinf(total), 0.0, total))  # [splits, Hq, rows]
     out = (o * w.permute(0, 2, 1).unsqueeze(-1)).sum(0)
     return out, total
+
+
+# The other path of prefill's codes part: the group's pages dequantized to 16 bits for
+# FlashAttention. One program per (page, KV head) gathers the centroids of a page's codes
+# straight into FlashAttention's paged layout [pages, B, Hkv, D]: one pass over the codes,
+# one write of the result (the PyTorch gather it replaces widened every code to int64 and
+# copied the result twice). Pages that an earlier entry of the same group already holds
+# (requests sharing a cached prefix) are skipped: their table entries point at that one
+# (metadata.plan_prefill).
+
+
+DEQUANT_TOKENS = 16  # tokens per step of a dequantizing program; divides layout.BLOCK_ALIGN
+
+
+@triton.jit
+def _dequant_pages_kernel(
+    kv_ptr, block_stride, head_stride,  # uint8 pages [blocks, Hkv, B, Mk + Mv]
+    ids_ptr, first_ptr,  # [pages] vLLM block ids; the first entry with the same id
+    kcb_ptr, vcb_ptr,  # [Hkv, M, 256, D / M]
+    k_ptr, v_ptr,  # [pages, B, Hkv, D] out
+    page_size,  # B, a runtime value: a constant would unroll the loop below
+    HKV: tl.constexpr, HEAD_DIM: tl.constexpr, MK: tl.constexpr, MV: tl.constexpr,
+    K_OFF: tl.constexpr, K_TOK: tl.constexpr, V_OFF: tl.constexpr, V_SUB: tl.constexpr,
+    CENTROIDS: tl.constexpr, TOKENS: tl.constexpr,
+):
+    page = tl.program_id(0)
+    kvh = tl.program_id(1)
+    if tl.load(first_ptr + page) != page:
+        return  # a duplicate: the table points at the first copy
+    blk = tl.load(ids_ptr + page).to(tl.int64)
+    region = kv_ptr + blk * block_stride + kvh * head_stride
+    DSK: tl.constexpr = HEAD_DIM // MK
+    DSV: tl.constexpr = HEAD_DIM // MV
+    d = tl.arange(0, HEAD_DIM)[None, :]
+    tt = tl.arange(0, TOKENS)[:, None]
+    # 32-bit offsets from scalar 64-bit bases: fewer registers than tensors of pointers
+    kcb = kcb_ptr + kvh * MK * CENTROIDS * DSK
+    vcb = vcb_ptr + kvh * MV * CENTROIDS * DSV
+    k_cent = (d // DSK) * (CENTROIDS * DSK) + d % DSK  # [1, D] centroid 0 of each dim
+    v_cent = (d // DSV) * (CENTROIDS * DSV) + d % DSV
+    dst = tt * (HKV * HEAD_DIM) + d  # [TOKENS, D] within TOKENS rows of the output
+    out0 = (page.to(tl.int64) * page_size * HKV + kvh) * HEAD_DIM
+    for t0 in range(0, page_size, TOKENS):  # TOKENS divides B
+        t = t0 + tt
+        kcode = tl.load(region + K_OFF + t * K_TOK + d // DSK).to(tl.int32)
+        vcode = tl.load(region + V_OFF + (d // DSV) * V_SUB + t).to(tl.int32)
+        out = out0 + t0 * (HKV * HEAD_DIM)
+        tl.store(k_ptr + out + dst, tl.load(kcb + k_cent + kcode * DSK))
+        tl.store(v_ptr + out + dst, tl.load(vcb + v_cent + vcode * DSV))
+
+
+def first_occurrence(ids: torch.Tensor) -> torch.Tensor:
+    """For each entry of ``ids`` the index of the first entry with the same value (int64,
+    on the device, with no host synchronisation: sizes do not depend on the values)."""
+    n = ids.numel()
+    if n == 0:
+        return torch.empty(0, dtype=torch.long, device=ids.device)
+    sorted_ids, order = torch.sort(ids.long(), stable=True)
+    start = torch.ones(n, dtype=torch.bool, device=ids.device)
+    start[1:] = sorted_ids[1:] != sorted_ids[:-1]
+    pos = torch.arange(n, device=ids.device)
+    head = torch.where(start, pos, 0).cummax(0).values  # sorted position of the run's start
+    first = torch.empty_like(order)
+    first[order] = order[head]  # stable sort: a run starts with its smallest index
+    return first
+
+
+def dequant_pages(kv_cache, block_ids, k_cb, v_cb, layout: PageLayout, first=None):
+    """``(k, v)``: the pages ``block_ids`` dequantized to ``k_cb``'s dtype in FlashAttention's
+    paged layout ``[pages, B, Hkv, D]``. With ``first`` (first_occurrence of the block ids)
+    only the first entry of each block id is written, the others are left as they are."""
+    n = block_ids.numel()
+    hkv, d = k_cb.shape[0], k_cb.shape[1] * k_cb.shape[3]
+    b = layout.block_size
+    k = torch.empty((n, b, hkv, d), dtype=k_cb.dtype, device=k_cb.device)
+    v = torch.empty_like(k)
+    ids = block_ids.reshape(-1)
+    if first is None:
+        first = torch.arange(n, device=ids.device)
+    pages = kv_cache.view(torch.uint8).flatten(2)  # [blocks, Hkv, B * (Mk + Mv)]
+    k_off, k_tok, v_off, v_sub = layout.kernel_args()[:4]
+    if n:
+        _dequant_pages_kernel[(n, hkv)](
+            pages, pages.stride(0), pages.stride(1), ids, first, k_cb, v_cb, k, v, b,
+            HKV=hkv, HEAD_DIM=d, MK=layout.m_k, MV=layout.m_v,
+            K_OFF=k_off, K_TOK=k_tok, V_OFF=v_off, V_SUB=v_sub, CENTROIDS=NUM_CENTROIDS,
+            TOKENS=DEQUANT_TOKENS, num_warps=4 if d <= 128 else 8,
+        )
+    return k, v

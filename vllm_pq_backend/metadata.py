@@ -61,6 +61,9 @@ class PrefillPlan:
     max_q: int
     seq_lens: torch.Tensor
     max_k: int
+    # [pages] the entry of block_ids that holds each page: requests sharing cached pages
+    # dequantize them once and page_table points at that entry; None: every entry
+    page_first: torch.Tensor | None = None
     # window > 0: segments and the codes part, see layout.window_start
     seg_cu_q: torch.Tensor | None = None
     seg_max_q: int = 0
@@ -169,6 +172,9 @@ def plan_prefill(
         runs = list(zip(*(x[keep].tolist() for x in (
             np.arange(n), starts[:-1] + a0 - first, lens - a0, a0))))
         plan.codes = codes_attention.plan(runs, *codes_shape, device, n, int(lens.max()))
+    if plan.codes is None and not batch_invariant:  # (whose segment tables index every entry)
+        plan.page_first = codes_attention.first_occurrence(plan.block_ids)
+        plan.page_table = plan.page_first.view(n, nb).to(torch.int32)
     if window <= 0:
         return plan
     i32, i64 = _segments(starts, q_lens, lens, np.asarray(rows, dtype=np.int64), window,

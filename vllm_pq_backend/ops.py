@@ -153,19 +153,6 @@ def decode(out, query, key, value, kv_cache, md, state, scale: float) -> None:
 # --------------------------------------------------------------------------- prefill
 
 
-def dequant_pages(kv_cache, block_ids, k_cb, v_cb, layout: PageLayout):
-    """bf16/fp16 K and V pages ``[n, B, H, d]`` (FlashAttention's paged layout)."""
-    n = block_ids.numel()
-    b, mk, mv = layout.block_size, layout.m_k, layout.m_v
-    reg = kv_cache.view(torch.uint8).flatten(2)[block_ids.long()]  # [n, H, B*(Mk+Mv)]
-    h = reg.shape[1]
-    kc = reg[..., layout.k_offset : layout.k_offset + b * mk].view(n, h, b, mk)
-    vc = reg[..., layout.v_offset :].view(n, h, mv, b).transpose(2, 3)
-    k = reference.decode_codes(kc.permute(0, 2, 1, 3), k_cb)  # [n, B, H, d]
-    v = reference.decode_codes(vc.permute(0, 2, 1, 3), v_cb)
-    return k.contiguous(), v.contiguous()
-
-
 def _merge(o1, lse1, o2, lse2):
     """Combine two partial softmax results (lse ``[H, n]``, natural log)."""
     m = torch.maximum(lse1, lse2)
@@ -203,11 +190,10 @@ def prefill(out, query, key, value, kv_cache, md, state, scale: float) -> None:
 
 def prefill_scratch_bytes(page_tokens: int, num_kv_heads: int, head_dim: int,
                           layout: PageLayout) -> int:
-    """Peak transient bytes of one prefill group's dequantized pages (dequant_pages): the
-    gathered code bytes, int64 code indices, and K/V in 16 bits before and after the
-    layout copy."""
-    codes = layout.m_k + layout.m_v
-    per_head = codes + 8 * codes + 2 * 2 * 2 * head_dim
+    """Peak transient bytes of one prefill group's dequantized pages
+    (codes_attention.dequant_pages): K and V in 16 bits, twice (batch-invariant mode
+    concatenates copies of the segments' pages to them), and a margin of a code byte."""
+    per_head = 2 * 2 * 2 * head_dim + layout.m_k + layout.m_v
     return page_tokens * num_kv_heads * per_head
 
 
@@ -249,7 +235,10 @@ def _prefill_fa(fa, p, out, q, k, v, kv_cache, state, scale) -> None:
     # ids): dequantizing them reads other blocks' codes, which the window then masks.
     kp = vp = None
     if p.codes is None:
-        kp, vp = dequant_pages(kv_cache, p.block_ids, state.k_cb, state.v_cb, state.layout)
+        from .codes_attention import dequant_pages
+
+        kp, vp = dequant_pages(kv_cache, p.block_ids, state.k_cb, state.v_cb, state.layout,
+                               first=p.page_first)
     if p.seg_cu_q is None:  # window 0: every key through its codes, causal
         if p.codes is not None:
             out.copy_(_codes_part(p, q, kv_cache, state, scale)[0])
@@ -301,6 +290,8 @@ def _prefill_batch_invariant(attn, p, out, q, k, v, kv_cache, state, scale) -> N
     dequantized pages before the segment's page, then a copy of that page whose tokens from
     the segment start on are the segment's full-precision keys (W divides the page), so
     the codes/full-precision split of layout.window_start needs no LSE merge."""
+    from .codes_attention import dequant_pages
+
     kp, vp = dequant_pages(kv_cache, p.block_ids, state.k_cb, state.v_cb, state.layout)
     if p.seg_cu_q is None:
         cu_q, max_q, used, table = p.cu_q, p.max_q, p.seq_lens, p.page_table

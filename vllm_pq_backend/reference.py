@@ -82,6 +82,20 @@ def read_codes(kv_cache, blocks, length: int, layout: PageLayout):
     return codes_at(kv_cache, slots, layout)
 
 
+def dequant_pages(kv_cache, block_ids, k_cb, v_cb, layout: PageLayout):
+    """K and V of the pages ``block_ids`` in ``k_cb``'s dtype, FlashAttention's paged layout
+    ``[n, B, H, d]`` (codes_attention.dequant_pages)."""
+    n = block_ids.numel()
+    b, mk, mv = layout.block_size, layout.m_k, layout.m_v
+    reg = kv_cache.view(torch.uint8).flatten(2)[block_ids.long()]  # [n, H, B*(Mk+Mv)]
+    h = reg.shape[1]
+    kc = reg[..., layout.k_offset : layout.k_offset + b * mk].view(n, h, b, mk)
+    vc = reg[..., layout.v_offset :].view(n, h, mv, b).transpose(2, 3)
+    k = decode_codes(kc.permute(0, 2, 1, 3), k_cb)  # [n, B, H, d]
+    v = decode_codes(vc.permute(0, 2, 1, 3), v_cb)
+    return k.contiguous(), v.contiguous()
+
+
 def map_rows(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``x [n, heads, d]`` through the codebooks' maps ``t [maps, d, d]`` (fp32; head ``h``
     uses map ``h // (heads // maps)``): ``x[r, h] @ t[...]``, back in ``x``'s dtype."""

@@ -1,0 +1,73 @@
+"""Where prefill's time goes: torch.profiler around `LLM.generate(max_tokens=1)` of fresh
+prompts on Llama-3-8B's shape with dummy weights (bench_e2e.make_model_dir), one backend
+per process, the engine in this process. Writes the GPU kernels and the CPU ops of one
+profiled call, by total time, so that two backends can be compared op by op:
+
+    python eval/profile_prefill.py --backend FLASH_ATTN --out eval/results/profile_prefill_fa.txt
+    python eval/profile_prefill.py --backend CUSTOM --m 64 --out eval/results/profile_prefill_custom.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+from bench_e2e import engine_backend, make_model_dir  # eval/: the script's folder
+from provenance import provenance
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the profiler sees the engine
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--backend", required=True, choices=["CUSTOM", "FLASH_ATTN"])
+    p.add_argument("--m", type=int, default=64, help="CUSTOM: subspaces (64: 4 bits, 32: 2 bits)")
+    p.add_argument("--prompt-tokens", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--rows", type=int, default=40, help="rows of each table")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    rng = random.Random(0)
+
+    def prompts():
+        return [TokensPrompt(prompt_token_ids=[rng.randrange(1000, 120000)
+                                               for _ in range(args.prompt_tokens)])
+                for _ in range(args.batch)]
+
+    backend_kw, name = engine_backend(args.backend, args.m)
+    llm = LLM(model=make_model_dir(args.m), load_format="dummy", skip_tokenizer_init=True,
+              dtype="bfloat16", max_model_len=args.prompt_tokens + 16, seed=0,
+              gpu_memory_utilization=0.9, **backend_kw)
+    sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
+    llm.generate(prompts(), sp, use_tqdm=False)  # warm-up: compiles, graphs, autotuning
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        llm.generate(prompts(), sp, use_tqdm=False)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+    events = prof.key_averages()
+    head = dict(provenance(), backend=name, prompt_tokens=args.prompt_tokens, batch=args.batch,
+                seconds_profiled=round(seconds, 4))
+    with open(args.out, "w") as f:
+        f.write(json.dumps(head) + "\n\n")
+        f.write("GPU kernels by self device time\n")
+        f.write(events.table(sort_by="self_device_time_total", row_limit=args.rows) + "\n")
+        f.write("CPU ops by self CPU time\n")
+        f.write(events.table(sort_by="self_cpu_time_total", row_limit=args.rows) + "\n")
+    print(f"{name}: {seconds:.3f} s profiled; wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from vllm import envs
 from vllm.logger import init_logger
 from vllm.v1.attention.backend import AttentionImpl, AttentionLayer, AttentionType
 
@@ -54,7 +55,7 @@ class LayerState:
         # vLLM leaves room for them when it sizes the KV cache.
         pages = prefill_page_tokens(impl.max_model_len, impl.block_size)
         self.prefill_scratch = ops.prefill_scratch_bytes(pages, impl.num_kv_heads, self.d,
-                                                         self.layout)
+                                                         self.layout, envs.VLLM_BATCH_INVARIANT)
         if torch.device(device).type == "cuda":
             torch.empty(self.prefill_scratch, dtype=torch.uint8, device=device)  # freed at once: the peak counts
 

@@ -189,11 +189,14 @@ def prefill(out, query, key, value, kv_cache, md, state, scale: float) -> None:
 
 
 def prefill_scratch_bytes(page_tokens: int, num_kv_heads: int, head_dim: int,
-                          layout: PageLayout) -> int:
+                          layout: PageLayout, batch_invariant: bool) -> int:
     """Peak transient bytes of one prefill group's dequantized pages
-    (codes_attention.dequant_pages): K and V in 16 bits, twice (batch-invariant mode
-    concatenates copies of the segments' pages to them), and a margin of a code byte."""
-    per_head = 2 * 2 * 2 * head_dim + layout.m_k + layout.m_v
+    (codes_attention.dequant_pages): K and V in 16 bits, and a code byte's margin.
+    Batch-invariant mode keeps the larger allowance it had with the PyTorch gather, which
+    also covers its copies of segment pages and their concatenation
+    (_prefill_batch_invariant)."""
+    codes = layout.m_k + layout.m_v
+    per_head = 9 * codes + 8 * head_dim if batch_invariant else 4 * head_dim + codes
     return page_tokens * num_kv_heads * per_head
 
 

@@ -1,4 +1,4 @@
-"""Compiles vllm_pq_backend.codes_attention's kernels (attention, dequantized pages) for sm_90 (no GPU needed) at every
+"""Compiles vllm_pq_backend.codes_attention's kernels (attention, dequantized pages, merge) for sm_90 (no GPU needed) at every
 head size, bfloat16 and float16; run by tests/test_codes_attention.py in a process of its
 own, without Triton's interpreter."""
 
@@ -11,7 +11,8 @@ from vllm_pq_backend.layout import NAN_CODE
 POINTERS = {"q_ptr": None, "kcb_ptr": None, "vcb_ptr": None, "o_ptr": "fp32", "lse_ptr": "fp32",
             "kv_ptr": "u8", "table_ptr": "i32", "tile_req_ptr": "i32", "tile_row_ptr": "i32",
             "tile_rows_ptr": "i32", "tile_pos_ptr": "i32", "ids_ptr": "i32", "first_ptr": "i64",
-            "k_ptr": None, "v_ptr": None}  # None: the activation dtype
+            "k_ptr": None, "v_ptr": None, "out_ptr": None, "oc_ptr": "fp32", "lsec_ptr": "fp32",
+            "rows_ptr": "i64", "crows_ptr": "i64"}  # None: the activation dtype
 
 
 def signature(fn, const, dtype):
@@ -37,3 +38,9 @@ for dtype in ("bf16", "fp16"):
                          target=GPUTarget("cuda", 90, 32), options={"num_warps": 4 if d <= 128 else 8})
         assert kernel.asm["cubin"]
         print("compiled dequant", dtype, d, mk, mv, flush=True)
+        const = dict(HQ=28, HEADS=ca.MERGE_HEADS, HEAD_DIM=d)
+        fn = ca._merge_rows_kernel
+        kernel = compile(ASTSource(fn=fn, signature=signature(fn, const, dtype), constexprs=const),
+                         target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        assert kernel.asm["cubin"]
+        print("compiled merge", dtype, d, flush=True)

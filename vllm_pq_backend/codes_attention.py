@@ -355,3 +355,51 @@ def dequant_pages(kv_cache, block_ids, k_cb, v_cb, layout: PageLayout, first=Non
             TOKENS=DEQUANT_TOKENS, num_warps=4 if d <= 128 else 8,
         )
     return k, v
+
+
+# Prefill with a window merges two partial results per codes-reading row: the segment's
+# full-precision part (already in the output) and the codes part. One program per (row,
+# block of heads) reads both once and writes the row in place (in PyTorch the same merge
+# took a gather, five fp32 passes and a scatter over [rows, Hq, D]).
+MERGE_HEADS = 8  # query heads per merging program
+
+
+@triton.jit
+def _merge_rows_kernel(
+    out_ptr, out_row, out_head,  # [N, Hq, D] the first part, merged in place
+    lse_ptr, lse_head, lse_tok,  # [Hq, N] its LSE (natural log)
+    oc_ptr, oc_row, oc_head,  # [*, Hq, D] the second part
+    lsec_ptr, lsec_head, lsec_tok,  # [Hq, *] its LSE
+    rows_ptr, crows_ptr,  # [R] the rows to merge: in out, in the second part
+    HQ: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    i = tl.program_id(0)
+    h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
+    live = h < HQ
+    row = tl.load(rows_ptr + i).to(tl.int64)
+    crow = tl.load(crows_ptr + i).to(tl.int64)
+    l1 = tl.load(lse_ptr + h * lse_head + row * lse_tok, mask=live, other=0.0)
+    l2 = tl.load(lsec_ptr + h * lsec_head + crow * lsec_tok, mask=live, other=0.0)
+    m = tl.maximum(l1, l2)
+    w1 = tl.exp(l1 - m)[:, None]
+    w2 = tl.exp(l2 - m)[:, None]
+    d = tl.arange(0, HEAD_DIM)[None, :]
+    dst = out_ptr + row * out_row + h[:, None] * out_head + d
+    o1 = tl.load(dst, mask=live[:, None], other=0.0).to(tl.float32)
+    o2 = tl.load(oc_ptr + crow * oc_row + h[:, None] * oc_head + d, mask=live[:, None],
+                 other=0.0).to(tl.float32)
+    tl.store(dst, ((o1 * w1 + o2 * w2) / (w1 + w2)).to(out_ptr.dtype.element_ty), mask=live[:, None])
+
+
+def merge_rows(out, lse, rows, o2, lse2, rows2) -> None:
+    """``out[rows] = merge(out[rows], lse[:, rows]; o2[rows2], lse2[:, rows2])`` by
+    log-sum-exp weights in fp32, in place (the formula of reference.merge)."""
+    n = rows.numel()
+    hq, d = out.shape[1], out.shape[2]
+    heads = min(MERGE_HEADS, triton.next_power_of_2(hq))
+    if n:
+        _merge_rows_kernel[(n, triton.cdiv(hq, heads))](
+            out, out.stride(0), out.stride(1), lse, lse.stride(0), lse.stride(1),
+            o2, o2.stride(0), o2.stride(1), lse2, lse2.stride(0), lse2.stride(1),
+            rows, rows2, HQ=hq, HEADS=heads, HEAD_DIM=d, num_warps=4,
+        )

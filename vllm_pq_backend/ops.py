@@ -153,14 +153,6 @@ def decode(out, query, key, value, kv_cache, md, state, scale: float) -> None:
 # --------------------------------------------------------------------------- prefill
 
 
-def _merge(o1, lse1, o2, lse2):
-    """Combine two partial softmax results (lse ``[H, n]``, natural log)."""
-    m = torch.maximum(lse1, lse2)
-    w1 = torch.exp(lse1 - m).transpose(0, 1).unsqueeze(-1)
-    w2 = torch.exp(lse2 - m).transpose(0, 1).unsqueeze(-1)
-    return (o1.float() * w1 + o2.float() * w2) / (w1 + w2)
-
-
 def prefill(out, query, key, value, kv_cache, md, state, scale: float) -> None:
     """Queries of rows ``md.num_decode_tokens:`` (prefill and chunked-prefill rows), one
     group of requests at a time (metadata.plan_prefills bounds each group's pages)."""
@@ -255,18 +247,19 @@ def _prefill_fa(fa, p, out, q, k, v, kv_cache, state, scale) -> None:
     # Segment part: each segment attends causally to its own tokens at full precision
     # (all within W < sliding window of each other).
     seg_k, seg_v = _segment_keys(p, k, v, state)
-    o_fp, lse_fp = varlen(
-        q=q, k=seg_k, v=seg_v, cu_seqlens_q=p.seg_cu_q, max_seqlen_q=p.seg_max_q,
+    _, lse_fp = varlen(
+        q=q, k=seg_k, v=seg_v, out=out, cu_seqlens_q=p.seg_cu_q, max_seqlen_q=p.seg_max_q,
         cu_seqlens_k=p.seg_cu_k, max_seqlen_k=p.seg_max_k, softmax_scale=scale, causal=True,
         return_softmax_lse=True, fa_version=version,
     )
     if p.code_rows.numel() == 0:
-        out.copy_(o_fp)
         return
+    from .codes_attention import merge_rows
+
     rows = p.code_rows if p.code_real is None else p.code_rows[p.code_real]
     if p.codes is not None:
         o_c, lse_c = _codes_part(p, q, kv_cache, state, scale)
-        o_c, lse_c = o_c[rows], lse_c[:, rows]
+        c_rows = rows  # the kernel's results cover every row of the group
     else:
         # Codes part: every query of a segment sees all keys before the segment start. On
         # a sliding-window layer query i sees keys j > i - sw only: FlashAttention aligns
@@ -280,10 +273,9 @@ def _prefill_fa(fa, p, out, q, k, v, kv_cache, state, scale) -> None:
             window_size=(sw - 1 - state.window, -1) if sw > 0 else (-1, -1),
             block_table=p.page_table[p.code_req], return_softmax_lse=True, fa_version=version,
         )
-        if p.code_real is not None:
-            o_c, lse_c = o_c[p.code_real], lse_c[:, p.code_real]
-    out.copy_(o_fp)
-    out[rows] = _merge(o_fp[rows], lse_fp[:, rows], o_c, lse_c).to(out.dtype)
+        c_rows = p.code_real if p.code_real is not None else torch.arange(
+            rows.numel(), device=rows.device)
+    merge_rows(out, lse_fp, rows, o_c, lse_c, c_rows)
 
 
 def _prefill_batch_invariant(attn, p, out, q, k, v, kv_cache, state, scale) -> None:

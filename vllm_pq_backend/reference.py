@@ -96,6 +96,15 @@ def dequant_pages(kv_cache, block_ids, k_cb, v_cb, layout: PageLayout):
     return k.contiguous(), v.contiguous()
 
 
+def merge(o1, lse1, o2, lse2):
+    """Two partial softmax results ``o [n, H, d]`` over disjoint keys combined by their LSE
+    ``[H, n]`` (natural log), in fp32 (codes_attention.merge_rows)."""
+    m = torch.maximum(lse1, lse2)
+    w1 = torch.exp(lse1 - m).transpose(0, 1).unsqueeze(-1)
+    w2 = torch.exp(lse2 - m).transpose(0, 1).unsqueeze(-1)
+    return (o1.float() * w1 + o2.float() * w2) / (w1 + w2)
+
+
 def map_rows(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``x [n, heads, d]`` through the codebooks' maps ``t [maps, d, d]`` (fp32; head ``h``
     uses map ``h // (heads // maps)``): ``x[r, h] @ t[...]``, back in ``x``'s dtype."""

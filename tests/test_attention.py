@@ -220,8 +220,9 @@ def test_flash_attention_prefill_plan(model_factory, monkeypatch, window, slidin
     decodes too, through a stand-in for vLLM's unified Triton attention (each window
     segment a request of its own); sliding: a sliding-window layer, FlashAttention's window
     in aligned positions (padded codes rows), freed blocks pointing anywhere; codes: the
-    codes part on codes_attention's Triton kernel (on the GPU; without one in Triton's
-    interpreter, float16: the kernel's products are 16-bit)."""
+    codes part on codes_attention's Triton kernel. On the GPU where there is one (the
+    Triton kernels that dequantize and merge need its tensors); without one in Triton's
+    interpreter, float16 with codes (the kernel's products are 16-bit)."""
     from helpers import unified_attention_sdpa, varlen_sdpa
 
     from vllm_pq_backend import codes_attention, ops
@@ -230,12 +231,12 @@ def test_flash_attention_prefill_plan(model_factory, monkeypatch, window, slidin
     monkeypatch.setattr(ops, "triton_attn_for", lambda t: unified_attention_sdpa)
     model = model_factory(64, 4, 2)
     vc = vllm_config(model, block_size=64, pq={"window": window})
-    if not codes:
-        sim = Sim(vc, seed=11, sliding_window=sliding)
-        sim.tol = TARGETS["cpu"][1]
-    elif torch.cuda.is_available():  # the kernel compiled, next to the other CUDA kernels
+    if torch.cuda.is_available():  # the Triton kernels compiled, next to the CUDA kernels
         sim = Sim(vc, seed=11, sliding_window=sliding, dtype=TARGETS["cuda"][0], device="cuda")
         sim.tol = TARGETS["cuda"][1]
+    elif not codes:
+        sim = Sim(vc, seed=11, sliding_window=sliding)
+        sim.tol = TARGETS["cpu"][1]
     else:
         sim = Sim(vc, seed=11, sliding_window=sliding, dtype=torch.float16)
         sim.tol = 5e-3
@@ -264,6 +265,11 @@ def _prefill_plan_steps(sim, window, codes):
     check(sim, sim.step([(0, 100), (1, 7)]), window)
     check(sim, sim.step([(0, 1), (1, 60), (2, 129)]), window)  # continuation chunks
     check(sim, sim.step([(2, 70), (0, 2)]), window)
+    # two one-page prefills beside a long decode: the group's block ids are a strided
+    # column of the block table
+    for rid in (5, 6):
+        sim.add(rid)
+    check(sim, sim.step([(0, 1), (5, 20), (6, 30)]), window)
     # two prefix-cache hits on request 2's first two blocks, prefilled in one step (on
     # FlashAttention their shared pages are dequantized once: ops._prefill_fa)
     a = sim.reqs[2]

@@ -193,6 +193,12 @@ def test_dequant_pages_matches_reference(ca, d, mk, mv, block, dtype):
     k, v = (x.cpu() for x in ca.dequant_pages(*args))
     torch.testing.assert_close(k, want_k, **same)
     torch.testing.assert_close(v, want_v, **same)
+    # one page per request: the plan's ids are a strided view of the block table's column
+    col = args[1].view(3, -1)[:, :1].flatten()
+    assert not col.is_contiguous()
+    k, v = (x.cpu() for x in ca.dequant_pages(cache.to(DEV), col, *args[2:]))
+    torch.testing.assert_close(k, want_k.view(3, -1, *k.shape[1:])[:, 0], **same)
+    torch.testing.assert_close(v, want_v.view(3, -1, *v.shape[1:])[:, 0], **same)
 
 
 @pytest.mark.parametrize("hq,d", [(4, 64), (12, 128), (32, 128)])

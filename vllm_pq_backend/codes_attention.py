@@ -342,7 +342,7 @@ def dequant_pages(kv_cache, block_ids, k_cb, v_cb, layout: PageLayout, first=Non
     b = layout.block_size
     k = torch.empty((n, b, hkv, d), dtype=k_cb.dtype, device=k_cb.device)
     v = torch.empty_like(k)
-    ids = block_ids.reshape(-1)
+    ids = block_ids.reshape(-1).contiguous()  # a column slice of a block table is strided
     if first is None:
         first = torch.arange(n, device=ids.device)
     pages = kv_cache.view(torch.uint8).flatten(2)  # [blocks, Hkv, B * (Mk + Mv)]
@@ -401,5 +401,5 @@ def merge_rows(out, lse, rows, o2, lse2, rows2) -> None:
         _merge_rows_kernel[(n, triton.cdiv(hq, heads))](
             out, out.stride(0), out.stride(1), lse, lse.stride(0), lse.stride(1),
             o2, o2.stride(0), o2.stride(1), lse2, lse2.stride(0), lse2.stride(1),
-            rows, rows2, HQ=hq, HEADS=heads, HEAD_DIM=d, num_warps=4,
+            rows.contiguous(), rows2.contiguous(), HQ=hq, HEADS=heads, HEAD_DIM=d, num_warps=4,
         )

@@ -1,11 +1,15 @@
 // Quantize new K/V rows to their nearest centroids and write the codes into the pages.
 //
 // One CTA per (64 tokens, KV head, K|V); K and V have their own subspace width DS, so
-// they are one launch when the widths agree and two otherwise. The fp32 codebook is staged in shared memory a
-// group of subspaces at a time; a warp's lanes take 32 tokens of one subspace, so every
-// centroid read is a broadcast. Distances are fp32 sums of squared differences in
-// element order, and the first minimum wins (a NaN distance never does), as in
-// reference.encode; subspace 0 of a non-finite vector gets the layout's nan_code.
+// they are one launch when the widths agree and two otherwise. The fp32 codebook is staged
+// in shared memory a group of subspaces at a time, with each centroid's |c|^2 / 2; a warp's
+// lanes take tokens of one subspace (one or two each), so every centroid read is a
+// broadcast. The nearest centroid minimises |c|^2 / 2 - x.c (DS fused multiply-adds and a
+// compare per centroid, against 2 DS operations for |x - c|^2); the first minimum wins and
+// a NaN score never does. In fp32 this may pick a centroid whose distance ties the nearest
+// one's within rounding of |x|^2 + |c|^2 where reference.encode, summing squared
+// differences, picks the other (the GPU tests bound it). Subspace 0 of a non-finite vector
+// gets the layout's nan_code.
 #include <math_constants.h>
 
 #include "pq_common.cuh"
@@ -19,11 +23,19 @@ constexpr int kStoreSmem = 64 * 1024;
 
 template <typename T, int DS>
 __global__ void __launch_bounds__(kStoreThreads) store_kernel(StoreArgs a, int first_part) {
-  extern __shared__ float cb_smem[];  // [group subspaces][256][DS]
+  // [group subspaces][256][DS] centroids, then [group subspaces][256] their |c|^2 / 2
+  extern __shared__ float cb_smem[];
+  // Tokens per thread: with subspace width DS <= 4 each lane takes two tokens of its
+  // subspace, so one centroid read serves both and the two min-searches interleave
+  // (independent instructions). Wider subspaces keep one: their groups hold too few
+  // subspaces to give every thread work otherwise.
+  constexpr int P = DS <= 4 ? 2 : 1;
+  constexpr int kLanes = kStoreTokens / P;  // items per subspace; a multiple of the warp
   const int head = blockIdx.y;
   const bool is_v = first_part + blockIdx.z == 1;  // part 0: K, part 1: V
   const int m_total = is_v ? a.m_v : a.m_k;
-  const int group = kStoreSmem / (kCentroids * DS * (int)sizeof(float));
+  const int group = kStoreSmem / (kCentroids * (DS + 1) * (int)sizeof(float));
+  float* half_norm = cb_smem + group * kCentroids * DS;
   const float* cb = (is_v ? a.v_cb : a.k_cb) + (size_t)head * m_total * kCentroids * DS;
   const T* src = static_cast<const T*>(is_v ? a.value : a.key);
   const int64_t stride = is_v ? a.value_stride : a.key_stride;
@@ -37,40 +49,66 @@ __global__ void __launch_bounds__(kStoreThreads) store_kernel(StoreArgs a, int f
     const float4* g4 = reinterpret_cast<const float4*>(cb + (size_t)m0 * kCentroids * DS);
     float4* s4 = reinterpret_cast<float4*>(cb_smem);
     for (int i = threadIdx.x; i < mg * kCentroids * DS / 4; i += kStoreThreads) s4[i] = g4[i];
+    for (int j = threadIdx.x; j < mg * kCentroids; j += kStoreThreads) {
+      const float* cj = cb + ((size_t)m0 * kCentroids + j) * DS;
+      float sq = 0.f;
+#pragma unroll
+      for (int i = 0; i < DS; ++i) sq = __fmaf_rn(cj[i], cj[i], sq);
+      half_norm[j] = 0.5f * sq;  // NaN for the NaN-marked centroid: never nearest
+    }
     __syncthreads();
-    for (int item = threadIdx.x; item < mg * kStoreTokens; item += kStoreThreads) {
-      const int t = item % kStoreTokens, ml = item / kStoreTokens;
-      if (t >= ntok) continue;
-      const int64_t slot = a.slot_mapping[tok0 + t];
-      if (slot < 0) continue;
+    for (int item = threadIdx.x; item < mg * kLanes; item += kStoreThreads) {
+      const int lane = item % kLanes, ml = item / kLanes;
       const int m = m0 + ml;
-      const T* xh = src + (tok0 + t) * stride + (int64_t)head * a.head_dim;
-      const T* x = xh + m * DS;
-      float xv[DS];
+      int64_t slot[P];
+      float xv[P][DS];
+      bool any = false;
 #pragma unroll
-      for (int i = 0; i < DS; ++i) xv[i] = Elem<T>::to_float(x[i]);
+      for (int p = 0; p < P; ++p) {
+        const int t = lane + p * kLanes;
+        slot[p] = t < ntok ? a.slot_mapping[tok0 + t] : -1;
+        any = any || slot[p] >= 0;
+        const T* x = src + (tok0 + min(t, ntok - 1)) * stride + (int64_t)head * a.head_dim + m * DS;
+#pragma unroll
+        for (int i = 0; i < DS; ++i) xv[p][i] = Elem<T>::to_float(x[i]);
+      }
+      if (!any) continue;
       const float* c = cb_smem + ml * kCentroids * DS;
-      float best = CUDART_INF_F;
-      int code = 0;
-      for (int k = 0; k < kCentroids; ++k) {
-        float dist = 0.f;
+      const float* hn = half_norm + ml * kCentroids;
+      float best[P];
+      int code[P];
 #pragma unroll
-        for (int i = 0; i < DS; ++i) {
-          const float diff = xv[i] - c[k * DS + i];
-          dist = __fmaf_rn(diff, diff, dist);
+      for (int p = 0; p < P; ++p) best[p] = CUDART_INF_F, code[p] = 0;
+#pragma unroll 16  // amortizes the loop's own instructions
+      for (int k = 0; k < kCentroids; ++k) {
+        float cv[DS];
+#pragma unroll
+        for (int i = 0; i < DS; ++i) cv[i] = c[k * DS + i];
+        const float h = hn[k];
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+          float score = h;  // |c|^2 / 2 - x.c = (|x - c|^2 - |x|^2) / 2
+#pragma unroll
+          for (int i = 0; i < DS; ++i) score = __fmaf_rn(-xv[p][i], cv[i], score);
+          if (score < best[p]) best[p] = score, code[p] = k;
         }
-        if (dist < best) best = dist, code = k;
       }
-      if (m == 0) {  // the whole head's vector: one non-finite element marks the token
-        bool finite = true;
-        for (int i = 0; i < a.head_dim; ++i) finite = finite && isfinite(Elem<T>::to_float(xh[i]));
-        if (!finite) code = pg.lay.nan_code;
+#pragma unroll
+      for (int p = 0; p < P; ++p) {
+        if (slot[p] < 0) continue;
+        const int t = lane + p * kLanes;
+        if (m == 0) {  // the whole head's vector: one non-finite element marks the token
+          const T* xh = src + (tok0 + t) * stride + (int64_t)head * a.head_dim;
+          bool finite = true;  // & not &&: the loads need not wait for each other
+          for (int i = 0; i < a.head_dim; ++i) finite &= isfinite(Elem<T>::to_float(xh[i]));
+          if (!finite) code[p] = pg.lay.nan_code;
+        }
+        const int64_t blk = slot[p] / pg.block_size, off = slot[p] % pg.block_size;
+        uint8_t* region = pg.base + blk * pg.block_stride + head * pg.head_stride;
+        const int64_t pos = is_v ? pg.lay.v_off + (int64_t)m * pg.lay.v_sub + off
+                                 : pg.lay.k_off + off * pg.lay.k_tok + m;
+        region[pos] = static_cast<uint8_t>(code[p]);
       }
-      const int64_t blk = slot / pg.block_size, off = slot % pg.block_size;
-      uint8_t* region = pg.base + blk * pg.block_stride + head * pg.head_stride;
-      const int64_t pos = is_v ? pg.lay.v_off + (int64_t)m * pg.lay.v_sub + off
-                               : pg.lay.k_off + off * pg.lay.k_tok + m;
-      region[pos] = static_cast<uint8_t>(code);
     }
   }
 }

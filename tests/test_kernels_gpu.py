@@ -339,13 +339,17 @@ def test_store_kernel_matches_reference(d, m, m_v, dtype):
         code_diffs += int(differ.sum())
         assert differ.float().mean() < 1e-3, f"{differ.sum()} codes differ"
         if differ.any():  # only near-ties may differ: both centroids equally close
+            # The kernel minimises |c|^2 / 2 - x.c, the reference |x - c|^2, both in fp32:
+            # the kernel's centroid may be farther only by rounding of |x|^2 + |c|^2.
             mm = cb.shape[1]
             xs = x[keep].float().view(-1, hkv, mm, d // mm)
             hi = torch.arange(hkv, device=DEV).view(1, -1, 1)
             mi = torch.arange(mm, device=DEV).view(1, 1, -1)
-            dg = ((xs - cb[hi, mi, got.long()]) ** 2).sum(-1)[differ]
-            dw = ((xs - cb[hi, mi, want.long()]) ** 2).sum(-1)[differ]
-            assert torch.allclose(dg, dw, rtol=1e-5, atol=1e-6)
+            cg, cw = cb[hi, mi, got.long()], cb[hi, mi, want.long()]
+            dg = ((xs.double() - cg.double()) ** 2).sum(-1)[differ]
+            dw = ((xs.double() - cw.double()) ** 2).sum(-1)[differ]
+            scale = (xs.double() ** 2 + cg.double() ** 2 + cw.double() ** 2).sum(-1)[differ]
+            assert (dg - dw <= 2**-18 * scale).all(), (dg - dw).max()
     # every other byte (padding slots, other tokens, block 0) is left as it was
     assert int((cache != ref_cache).sum()) == code_diffs
 

@@ -257,6 +257,9 @@ def _prefill_plan_steps(sim, window, codes):
         # a group on the kernel iff it has rows that read codes (all of them without a window)
         steps.extend((p.codes is not None) == (codes and (p.seg_cu_q is None or p.code_rows.numel() > 0))
                      for p in md.prefills)
+        # segment keys without a copy exactly when no earlier step's window entries join them
+        assert all(p.fp_in_order == (p.store_rows.numel() == 0)
+                   for p in md.prefills if p.seg_cu_q is not None)
         return md
 
     sim.builder.build = build

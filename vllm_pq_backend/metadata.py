@@ -70,6 +70,7 @@ class PrefillPlan:
     seg_cu_k: torch.Tensor | None = None
     seg_max_k: int = 0
     fp_src: torch.Tensor | None = None  # keys: index into [chunk rows ; store entries]
+    fp_in_order: bool = False  # fp_src is 0, 1, ..: the chunk's rows as they are (no store)
     store_rows: torch.Tensor | None = None
     store_slots: torch.Tensor | None = None
     code_rows: torch.Tensor | None = None  # query rows of the codes part (padded, see below)
@@ -183,6 +184,7 @@ def plan_prefill(
         setattr(plan, name, _i32(x, device))
     for name, x in i64.items():
         setattr(plan, name, _i64(x, device))
+    plan.fp_in_order = bool(np.array_equal(i64["fp_src"], np.arange(int(starts[-1]))))
     plan.seg_max_q = int(np.diff(i32["seg_cu_q"]).max())
     plan.code_max_q = int(np.diff(i32["code_cu_q"]).max()) if len(i32["code_cu_q"]) > 1 else 0
     plan.seg_max_k = int(np.diff(i32["seg_cu_k"]).max())

@@ -195,6 +195,8 @@ def prefill_scratch_bytes(page_tokens: int, num_kv_heads: int, head_dim: int,
 def _segment_keys(p, k, v, state):
     """Full-precision keys/values of every segment in order (``p.fp_src`` indexes these
     rows): this chunk's rows, then the window store's entries of earlier steps."""
+    if p.fp_in_order:  # uncached prompts: the chunk's rows themselves, no copy
+        return k, v
     src_k = torch.cat([k, state.win_k[p.store_rows, :, p.store_slots]])
     src_v = torch.cat([v, state.win_v[p.store_rows, :, p.store_slots]])
     return src_k[p.fp_src], src_v[p.fp_src]

@@ -198,7 +198,11 @@ class Sim:
             seq_lens_cpu_upper_bound=seq_t, req_idx=np.array(rows),
         )
         md = self.builder.build(0, cam)
-        query, key, value = torch.cat(q_all), torch.cat(k_all), torch.cat(v_all)
+        # views of one packed row per token, strided as vLLM's qkv split leaves them
+        parts = [torch.cat(x) for x in (q_all, k_all, v_all)]
+        packed = torch.cat([x.flatten(1) for x in parts], dim=1)
+        query, key, value = (y.view(x.shape) for x, y in zip(
+            parts, packed.split([x[0].numel() for x in parts], dim=1)))
         out = torch.full_like(query, float("nan"))  # poisoned: every row must be written
         self.impl.do_kv_cache_update(self.layer, key, value, self.kv_cache, cam.slot_mapping)
         self.impl.forward(self.layer, query, key, value, self.kv_cache, md, out)

@@ -1,13 +1,15 @@
 // Quantize new K/V rows to their nearest centroids and write the codes into the pages.
 //
-// One CTA per (64 tokens, KV head, K|V); K and V have their own subspace width DS, so
-// they are one launch when the widths agree and two otherwise. The fp32 codebook is staged
-// in shared memory a group of subspaces at a time, with each centroid's |c|^2 / 2; a warp's
-// lanes take tokens of one subspace (one or two each), so every centroid read is a
-// broadcast. The nearest centroid minimises |c|^2 / 2 - x.c (DS fused multiply-adds and a
-// compare per centroid, against 2 DS operations for |x - c|^2); the first minimum wins and
-// a NaN score never does. In fp32 this may pick a centroid whose distance ties the nearest
-// one's within rounding of |x|^2 + |c|^2 where reference.encode, summing squared
+// One CTA per (64 tokens, KV head, K|V, group of subspaces): the groups are spread over
+// the grid, not looped over in one CTA, so that a decode step's few tokens still fill the
+// GPU (64 tokens gave 16 CTAs before). K and V have their own subspace width DS, so they
+// are one launch when the widths agree and two otherwise. A CTA stages its group's fp32
+// centroids in shared memory with each centroid's |c|^2 / 2; a warp's lanes take tokens of
+// one subspace (one or two each), so every centroid read is a broadcast. The nearest
+// centroid minimises |c|^2 / 2 - x.c (DS fused multiply-adds per centroid, against 2 DS
+// operations for |x - c|^2), carried with the centroid's index in the low mantissa bits
+// (one min per centroid). In fp32 this may pick a centroid whose distance ties the
+// nearest one's within rounding of |x|^2 + |c|^2 where reference.encode, summing squared
 // differences, picks the other (the GPU tests bound it). Subspace 0 of a non-finite vector
 // gets the layout's nan_code.
 #include <math_constants.h>
@@ -19,120 +21,128 @@ namespace {
 
 constexpr int kStoreThreads = 256;
 constexpr int kStoreTokens = 64;
-constexpr int kStoreSmem = 64 * 1024;
+
+// Tokens per thread: with subspace width DS <= 4 each lane takes two tokens of its
+// subspace, so one centroid read serves both and the two min-searches interleave
+// (independent instructions); wider subspaces keep one (registers).
+template <int DS>
+struct StoreCfg {
+  static constexpr int P = DS <= 4 ? 2 : 1;
+  static constexpr int kLanes = kStoreTokens / P;        // threads per subspace: whole warps
+  static constexpr int kGroup = kStoreThreads / kLanes;  // subspaces per CTA: one item a thread
+  static constexpr int kSmem = kGroup * kCentroids * (DS + 1) * (int)sizeof(float);
+  static_assert(kLanes % 32 == 0, "a warp reads one subspace's centroids");
+};
 
 template <typename T, int DS>
-__global__ void __launch_bounds__(kStoreThreads) store_kernel(StoreArgs a, int first_part) {
+__global__ void __launch_bounds__(kStoreThreads) store_kernel(StoreArgs a, int first_part, int groups) {
+  using C = StoreCfg<DS>;
+  constexpr int P = C::P;
   // [group subspaces][256][DS] centroids, then [group subspaces][256] their |c|^2 / 2
   extern __shared__ float cb_smem[];
-  // Tokens per thread: with subspace width DS <= 4 each lane takes two tokens of its
-  // subspace, so one centroid read serves both and the two min-searches interleave
-  // (independent instructions). Wider subspaces keep one: their groups hold too few
-  // subspaces to give every thread work otherwise.
-  constexpr int P = DS <= 4 ? 2 : 1;
-  constexpr int kLanes = kStoreTokens / P;  // items per subspace; a multiple of the warp
   const int head = blockIdx.y;
-  const bool is_v = first_part + blockIdx.z == 1;  // part 0: K, part 1: V
+  const bool is_v = first_part + (int)blockIdx.z / groups == 1;  // part 0: K, part 1: V
   const int m_total = is_v ? a.m_v : a.m_k;
-  const int group = kStoreSmem / (kCentroids * (DS + 1) * (int)sizeof(float));
-  float* half_norm = cb_smem + group * kCentroids * DS;
-  const float* cb = (is_v ? a.v_cb : a.k_cb) + (size_t)head * m_total * kCentroids * DS;
+  const int m0 = (blockIdx.z % groups) * C::kGroup;
+  const int mg = min(C::kGroup, m_total - m0);
+  float* half_norm = cb_smem + C::kGroup * kCentroids * DS;
+  const float* cb = (is_v ? a.v_cb : a.k_cb) + ((size_t)head * m_total + m0) * kCentroids * DS;
   const T* src = static_cast<const T*>(is_v ? a.value : a.key);
   const int64_t stride = is_v ? a.value_stride : a.key_stride;
   const int tok0 = blockIdx.x * kStoreTokens;
   const int ntok = min(kStoreTokens, a.num_tokens - tok0);
   const Pages& pg = a.pages;
 
-  for (int m0 = 0; m0 < m_total; m0 += group) {
-    const int mg = min(group, m_total - m0);
-    __syncthreads();  // the previous group's readers are done
-    const float4* g4 = reinterpret_cast<const float4*>(cb + (size_t)m0 * kCentroids * DS);
-    float4* s4 = reinterpret_cast<float4*>(cb_smem);
-    for (int i = threadIdx.x; i < mg * kCentroids * DS / 4; i += kStoreThreads) s4[i] = g4[i];
-    for (int j = threadIdx.x; j < mg * kCentroids; j += kStoreThreads) {
-      const float* cj = cb + ((size_t)m0 * kCentroids + j) * DS;
-      float sq = 0.f;
+  const float4* g4 = reinterpret_cast<const float4*>(cb);
+  float4* s4 = reinterpret_cast<float4*>(cb_smem);
+  for (int i = threadIdx.x; i < mg * kCentroids * DS / 4; i += kStoreThreads) s4[i] = g4[i];
+  for (int j = threadIdx.x; j < mg * kCentroids; j += kStoreThreads) {
+    const float* cj = cb + (size_t)j * DS;
+    float sq = 0.f;
 #pragma unroll
-      for (int i = 0; i < DS; ++i) sq = __fmaf_rn(cj[i], cj[i], sq);
-      half_norm[j] = 0.5f * sq;  // NaN for the NaN-marked centroid: never nearest
-    }
-    __syncthreads();
-    for (int item = threadIdx.x; item < mg * kLanes; item += kStoreThreads) {
-      const int lane = item % kLanes, ml = item / kLanes;
-      const int m = m0 + ml;
-      int64_t slot[P];
-      float xv[P][DS];
-      bool any = false;
+    for (int i = 0; i < DS; ++i) sq = __fmaf_rn(cj[i], cj[i], sq);
+    half_norm[j] = 0.5f * sq;  // NaN for the NaN-marked centroid: never nearest
+  }
+  __syncthreads();
+  const int lane = threadIdx.x % C::kLanes, ml = threadIdx.x / C::kLanes;
+  const int m = m0 + ml;
+  if (ml >= mg) return;
+  int64_t slot[P];
+  float xv[P][DS];
+  bool any = false;
 #pragma unroll
-      for (int p = 0; p < P; ++p) {
-        const int t = lane + p * kLanes;
-        slot[p] = t < ntok ? a.slot_mapping[tok0 + t] : -1;
-        any = any || slot[p] >= 0;
-        const T* x = src + (tok0 + min(t, ntok - 1)) * stride + (int64_t)head * a.head_dim + m * DS;
+  for (int p = 0; p < P; ++p) {
+    const int t = lane + p * C::kLanes;
+    slot[p] = t < ntok ? a.slot_mapping[tok0 + t] : -1;
+    any = any || slot[p] >= 0;
+    const T* x = src + (tok0 + min(t, ntok - 1)) * stride + (int64_t)head * a.head_dim + m * DS;
 #pragma unroll
-        for (int i = 0; i < DS; ++i) xv[p][i] = Elem<T>::to_float(x[i]);
-      }
-      if (!any) continue;
-      const float* c = cb_smem + ml * kCentroids * DS;
-      const float* hn = half_norm + ml * kCentroids;
-      float best[P];
-      int code[P];
+    for (int i = 0; i < DS; ++i) xv[p][i] = Elem<T>::to_float(x[i]);
+  }
+  if (!any) return;
+  const float* c = cb_smem + ml * kCentroids * DS;
+  const float* hn = half_norm + ml * kCentroids;
+  // Each score with the centroid's index in its 8 low mantissa bits: one min per centroid
+  // and token keeps both (a compare and two selects otherwise). Scores within 2^-15 of
+  // their size of each other may order either way; fminf never returns a NaN score (the
+  // NaN-marked centroid's: NaN whatever the low bits).
+  float best[P];
 #pragma unroll
-      for (int p = 0; p < P; ++p) best[p] = CUDART_INF_F, code[p] = 0;
+  for (int p = 0; p < P; ++p) best[p] = CUDART_INF_F;
 #pragma unroll 16  // amortizes the loop's own instructions
-      for (int k = 0; k < kCentroids; ++k) {
-        float cv[DS];
+  for (int k = 0; k < kCentroids; ++k) {
+    float cv[DS];
 #pragma unroll
-        for (int i = 0; i < DS; ++i) cv[i] = c[k * DS + i];
-        const float h = hn[k];
+    for (int i = 0; i < DS; ++i) cv[i] = c[k * DS + i];
+    const float h = hn[k];
 #pragma unroll
-        for (int p = 0; p < P; ++p) {
-          float score = h;  // |c|^2 / 2 - x.c = (|x - c|^2 - |x|^2) / 2
+    for (int p = 0; p < P; ++p) {
+      float score = h;  // |c|^2 / 2 - x.c = (|x - c|^2 - |x|^2) / 2
 #pragma unroll
-          for (int i = 0; i < DS; ++i) score = __fmaf_rn(-xv[p][i], cv[i], score);
-          if (score < best[p]) best[p] = score, code[p] = k;
-        }
-      }
-#pragma unroll
-      for (int p = 0; p < P; ++p) {
-        if (slot[p] < 0) continue;
-        const int t = lane + p * kLanes;
-        if (m == 0) {  // the whole head's vector: one non-finite element marks the token
-          const T* xh = src + (tok0 + t) * stride + (int64_t)head * a.head_dim;
-          bool finite = true;  // & not &&: the loads need not wait for each other
-          for (int i = 0; i < a.head_dim; ++i) finite &= isfinite(Elem<T>::to_float(xh[i]));
-          if (!finite) code[p] = pg.lay.nan_code;
-        }
-        const int64_t blk = slot[p] / pg.block_size, off = slot[p] % pg.block_size;
-        uint8_t* region = pg.base + blk * pg.block_stride + head * pg.head_stride;
-        const int64_t pos = is_v ? pg.lay.v_off + (int64_t)m * pg.lay.v_sub + off
-                                 : pg.lay.k_off + off * pg.lay.k_tok + m;
-        region[pos] = static_cast<uint8_t>(code[p]);
-      }
+      for (int i = 0; i < DS; ++i) score = __fmaf_rn(-xv[p][i], cv[i], score);
+      best[p] = fminf(best[p], __int_as_float((__float_as_int(score) & ~0xff) | k));
     }
+  }
+#pragma unroll
+  for (int p = 0; p < P; ++p) {
+    if (slot[p] < 0) continue;
+    const int t = lane + p * C::kLanes;
+    int code = __float_as_int(best[p]) & 0xff;
+    if (m == 0) {  // the whole head's vector: one non-finite element marks the token
+      const T* xh = src + (tok0 + t) * stride + (int64_t)head * a.head_dim;
+      bool finite = true;  // & not &&: the loads need not wait for each other
+      for (int i = 0; i < a.head_dim; ++i) finite &= isfinite(Elem<T>::to_float(xh[i]));
+      if (!finite) code = pg.lay.nan_code;
+    }
+    const int64_t blk = slot[p] / pg.block_size, off = slot[p] % pg.block_size;
+    uint8_t* region = pg.base + blk * pg.block_stride + head * pg.head_stride;
+    const int64_t pos = is_v ? pg.lay.v_off + (int64_t)m * pg.lay.v_sub + off
+                             : pg.lay.k_off + off * pg.lay.k_tok + m;
+    region[pos] = static_cast<uint8_t>(code);
   }
 }
 
-// Parts [first_part, first_part + parts) of (K, V), all with subspace width DS.
+// Parts [first_part, first_part + parts) of (K, V), all with m subspaces of width DS.
 template <typename T, int DS>
-cudaError_t launch_store(const StoreArgs& a, int first_part, int parts, cudaStream_t stream) {
+cudaError_t launch_store(const StoreArgs& a, int first_part, int parts, int m, cudaStream_t stream) {
+  using C = StoreCfg<DS>;
   auto kernel = store_kernel<T, DS>;
   // Set per call, not once per process: the attribute belongs to the current device.
-  cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kStoreSmem);
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
   if (err != cudaSuccess) return err;
-  dim3 grid(ceil_div(a.num_tokens, kStoreTokens), a.num_kv_heads, parts);
-  kernel<<<grid, kStoreThreads, kStoreSmem, stream>>>(a, first_part);
+  const int groups = ceil_div(m, C::kGroup);
+  dim3 grid(ceil_div(a.num_tokens, kStoreTokens), a.num_kv_heads, parts * groups);
+  kernel<<<grid, kStoreThreads, C::kSmem, stream>>>(a, first_part, groups);
   return cudaGetLastError();
 }
 
 template <typename T>
 cudaError_t store_parts(const StoreArgs& a, int first_part, int parts, int m, cudaStream_t stream) {
   switch (a.head_dim / m) {
-    case 2: return launch_store<T, 2>(a, first_part, parts, stream);
-    case 4: return launch_store<T, 4>(a, first_part, parts, stream);
-    case 8: return launch_store<T, 8>(a, first_part, parts, stream);
-    case 16: return launch_store<T, 16>(a, first_part, parts, stream);
+    case 2: return launch_store<T, 2>(a, first_part, parts, m, stream);
+    case 4: return launch_store<T, 4>(a, first_part, parts, m, stream);
+    case 8: return launch_store<T, 8>(a, first_part, parts, m, stream);
+    case 16: return launch_store<T, 16>(a, first_part, parts, m, stream);
     default: return cudaErrorInvalidValue;
   }
 }

@@ -69,7 +69,7 @@ def run(tokens: int, bits: int) -> list[dict]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tokens", type=int, nargs="+", default=[1024, 16384])
+    p.add_argument("--tokens", type=int, nargs="+", default=[64, 1024, 16384])
     p.add_argument("--bits", type=int, nargs="+", default=[4, 2])
     p.add_argument("--out", default="eval/results/store.json")
     args = p.parse_args()

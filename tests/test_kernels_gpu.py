@@ -315,10 +315,11 @@ def test_decode_replays_in_a_cuda_graph():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("d,m,m_v", [(64, 8, 8), (64, 32, 32), (64, 32, 16), (128, 16, 16),
                                      (128, 32, 32), (128, 64, 64), (128, 64, 32), (256, 128, 128),
-                                     (256, 128, 64)])
-def test_store_kernel_matches_reference(d, m, m_v, dtype):
-    gen = torch.Generator().manual_seed(d * m + m_v)
-    hkv, block, n = 4, 64, 700
+                                     (256, 128, 64), (256, 16, 32)])
+@pytest.mark.parametrize("n", [700, 5])  # a prefill chunk; a decode step's few tokens
+def test_store_kernel_matches_reference(d, m, m_v, dtype, n):
+    gen = torch.Generator().manual_seed(d * m + m_v + n)
+    hkv, block = 4, 64
     lay = PageLayout(block, m, m_v)
     cache = torch.full((24, hkv, block, lay.state_bytes), 0xAB, dtype=torch.uint8, device=DEV)
     ref_cache = cache.clone()
@@ -337,10 +338,11 @@ def test_store_kernel_matches_reference(d, m, m_v, dtype):
                                 reference.codes_at(ref_cache, slots[keep], lay)):
         differ = got != want
         code_diffs += int(differ.sum())
-        assert differ.float().mean() < 1e-3, f"{differ.sum()} codes differ"
+        assert int(differ.sum()) <= max(2, differ.numel() // 1000), f"{differ.sum()} codes differ"
         if differ.any():  # only near-ties may differ: both centroids equally close
-            # The kernel minimises |c|^2 / 2 - x.c, the reference |x - c|^2, both in fp32:
-            # the kernel's centroid may be farther only by rounding of |x|^2 + |c|^2.
+            # The kernel minimises |c|^2 / 2 - x.c with its 8 low mantissa bits replaced by
+            # the centroid's index (2^-15 of |x|^2 + |c|^2 at most), the reference |x - c|^2,
+            # both in fp32: the kernel's centroid may be farther only by that much.
             mm = cb.shape[1]
             xs = x[keep].float().view(-1, hkv, mm, d // mm)
             hi = torch.arange(hkv, device=DEV).view(1, -1, 1)
@@ -349,7 +351,7 @@ def test_store_kernel_matches_reference(d, m, m_v, dtype):
             dg = ((xs.double() - cg.double()) ** 2).sum(-1)[differ]
             dw = ((xs.double() - cw.double()) ** 2).sum(-1)[differ]
             scale = (xs.double() ** 2 + cg.double() ** 2 + cw.double() ** 2).sum(-1)[differ]
-            assert (dg - dw <= 2**-18 * scale).all(), (dg - dw).max()
+            assert (dg - dw <= 2**-13 * scale).all(), (dg - dw).max()
     # every other byte (padding slots, other tokens, block 0) is left as it was
     assert int((cache != ref_cache).sum()) == code_diffs
 

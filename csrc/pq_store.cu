@@ -20,24 +20,32 @@ namespace pq {
 namespace {
 
 constexpr int kStoreThreads = 256;
-constexpr int kStoreTokens = 64;
 
-// Tokens per thread: with subspace width DS <= 4 each lane takes two tokens of its
-// subspace, so one centroid read serves both and the two min-searches interleave
-// (independent instructions); wider subspaces keep one (registers).
-template <int DS>
+// P tokens per thread: one centroid read serves them all and their min-searches
+// interleave (independent instructions). Large stores take 4 (subspace width <= 4; wider
+// ones need the registers), small ones 1, so that a decode step's few tokens spread over
+// as many threads as they can. Widths >= 8 give a subspace two warps (their groups hold
+// half as many subspaces in the same shared memory).
+template <int DS, int P>
 struct StoreCfg {
-  static constexpr int P = DS <= 4 ? 2 : 1;
-  static constexpr int kLanes = kStoreTokens / P;        // threads per subspace: whole warps
+  static constexpr int kLanes = DS >= 8 ? 64 : 32;       // threads per subspace: whole warps
+  static constexpr int kTokens = kLanes * P;             // tokens per CTA
   static constexpr int kGroup = kStoreThreads / kLanes;  // subspaces per CTA: one item a thread
   static constexpr int kSmem = kGroup * kCentroids * (DS + 1) * (int)sizeof(float);
-  static_assert(kLanes % 32 == 0, "a warp reads one subspace's centroids");
+  static_assert(DS <= 4 || P == 1, "registers");
 };
 
-template <typename T, int DS>
+// fminf that keeps subnormals (--use_fast_math flushes them): a score of 0, e.g. a zero
+// vector's distance to a zero centroid, is a subnormal once it carries its index.
+__device__ __forceinline__ float min_key(float a, float b) {
+  float r;
+  asm("min.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
+template <typename T, int DS, int P>
 __global__ void __launch_bounds__(kStoreThreads) store_kernel(StoreArgs a, int first_part, int groups) {
-  using C = StoreCfg<DS>;
-  constexpr int P = C::P;
+  using C = StoreCfg<DS, P>;
   // [group subspaces][256][DS] centroids, then [group subspaces][256] their |c|^2 / 2
   extern __shared__ float cb_smem[];
   const int head = blockIdx.y;
@@ -49,8 +57,8 @@ __global__ void __launch_bounds__(kStoreThreads) store_kernel(StoreArgs a, int f
   const float* cb = (is_v ? a.v_cb : a.k_cb) + ((size_t)head * m_total + m0) * kCentroids * DS;
   const T* src = static_cast<const T*>(is_v ? a.value : a.key);
   const int64_t stride = is_v ? a.value_stride : a.key_stride;
-  const int tok0 = blockIdx.x * kStoreTokens;
-  const int ntok = min(kStoreTokens, a.num_tokens - tok0);
+  const int tok0 = blockIdx.x * C::kTokens;
+  const int ntok = min(C::kTokens, a.num_tokens - tok0);
   const Pages& pg = a.pages;
 
   const float4* g4 = reinterpret_cast<const float4*>(cb);
@@ -84,7 +92,7 @@ __global__ void __launch_bounds__(kStoreThreads) store_kernel(StoreArgs a, int f
   const float* hn = half_norm + ml * kCentroids;
   // Each score with the centroid's index in its 8 low mantissa bits: one min per centroid
   // and token keeps both (a compare and two selects otherwise). Scores within 2^-15 of
-  // their size of each other may order either way; fminf never returns a NaN score (the
+  // their size of each other may order either way; min never returns a NaN score (the
   // NaN-marked centroid's: NaN whatever the low bits).
   float best[P];
 #pragma unroll
@@ -100,7 +108,7 @@ __global__ void __launch_bounds__(kStoreThreads) store_kernel(StoreArgs a, int f
       float score = h;  // |c|^2 / 2 - x.c = (|x - c|^2 - |x|^2) / 2
 #pragma unroll
       for (int i = 0; i < DS; ++i) score = __fmaf_rn(-xv[p][i], cv[i], score);
-      best[p] = fminf(best[p], __int_as_float((__float_as_int(score) & ~0xff) | k));
+      best[p] = min_key(best[p], __int_as_float((__float_as_int(score) & ~0xff) | k));
     }
   }
 #pragma unroll
@@ -123,17 +131,28 @@ __global__ void __launch_bounds__(kStoreThreads) store_kernel(StoreArgs a, int f
 }
 
 // Parts [first_part, first_part + parts) of (K, V), all with m subspaces of width DS.
-template <typename T, int DS>
+template <typename T, int DS, int P>
 cudaError_t launch_store(const StoreArgs& a, int first_part, int parts, int m, cudaStream_t stream) {
-  using C = StoreCfg<DS>;
-  auto kernel = store_kernel<T, DS>;
+  using C = StoreCfg<DS, P>;
+  auto kernel = store_kernel<T, DS, P>;
   // Set per call, not once per process: the attribute belongs to the current device.
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
   if (err != cudaSuccess) return err;
   const int groups = ceil_div(m, C::kGroup);
-  dim3 grid(ceil_div(a.num_tokens, kStoreTokens), a.num_kv_heads, parts * groups);
+  dim3 grid(ceil_div(a.num_tokens, C::kTokens), a.num_kv_heads, parts * groups);
   kernel<<<grid, kStoreThreads, C::kSmem, stream>>>(a, first_part, groups);
   return cudaGetLastError();
+}
+
+// 4 tokens per thread once 128-token CTAs still number a few per SM (prefill); 1 below.
+constexpr int kManyTokens = 1024;
+
+template <typename T, int DS>
+cudaError_t launch_store(const StoreArgs& a, int first_part, int parts, int m, cudaStream_t stream) {
+  if constexpr (DS <= 4) {
+    if (a.num_tokens >= kManyTokens) return launch_store<T, DS, 4>(a, first_part, parts, m, stream);
+  }
+  return launch_store<T, DS, 1>(a, first_part, parts, m, stream);
 }
 
 template <typename T>

@@ -330,6 +330,8 @@ def test_store_kernel_matches_reference(d, m, m_v, dtype, n):
     value = torch.randn(n, hkv, d, generator=gen).to(DEV, dtype)
     k_cb = torch.randn(hkv, m, 256, d // m, generator=gen).to(DEV) * 2
     v_cb = torch.randn(hkv, m_v, 256, d // m_v, generator=gen).to(DEV)
+    # a zero row and a zero centroid 7: a score of exactly 0, which must still name 7
+    key[0], value[0], k_cb[:, :, 7], v_cb[:, :, 7] = 0, 0, 0, 0
     torch.ops.pq_backend.store(cache, key, value, slots, k_cb, v_cb, *lay.kernel_args())
     reference.store(ref_cache, key, value, slots, k_cb, v_cb, lay)
     keep = slots >= 0

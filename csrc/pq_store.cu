@@ -1,17 +1,19 @@
 // Quantize new K/V rows to their nearest centroids and write the codes into the pages.
 //
-// One CTA per (64 tokens, KV head, K|V, group of subspaces): the groups are spread over
-// the grid, not looped over in one CTA, so that a decode step's few tokens still fill the
-// GPU (64 tokens gave 16 CTAs before). K and V have their own subspace width DS, so they
-// are one launch when the widths agree and two otherwise. A CTA stages its group's fp32
-// centroids in shared memory with each centroid's |c|^2 / 2; a warp's lanes take tokens of
-// one subspace (one or two each), so every centroid read is a broadcast. The nearest
-// centroid minimises |c|^2 / 2 - x.c (DS fused multiply-adds per centroid, against 2 DS
-// operations for |x - c|^2), carried with the centroid's index in the low mantissa bits
-// (one min per centroid). In fp32 this may pick a centroid whose distance ties the
-// nearest one's within rounding of |x|^2 + |c|^2 where reference.encode, summing squared
-// differences, picks the other (the GPU tests bound it). Subspace 0 of a non-finite vector
-// gets the layout's nan_code.
+// One CTA per (32-128 tokens, KV head, K|V, group of subspaces): the groups are spread
+// over the grid, not looped over in one CTA, so that a decode step's few tokens still
+// fill the GPU (64 tokens gave 16 CTAs before). K and V have their own subspace width DS,
+// so they are one launch when the widths agree and two otherwise. A CTA stages its
+// group's fp32 centroids in shared memory with each centroid's |c|^2 / 2; a warp's lanes
+// take tokens of one subspace, so every centroid read is a broadcast. The nearest centroid
+// minimises |c|^2 / 2 - x.c (DS fused multiply-adds and a compare per centroid, against
+// 2 DS operations for |x - c|^2); the first minimum wins and a NaN score never does. In
+// fp32 this may pick a centroid whose distance ties the nearest one's within rounding of
+// |x|^2 + |c|^2 where reference.encode, summing squared differences, picks the other (the
+// GPU tests bound it). Carrying the index in the score's low mantissa bits (one min
+// instead of a compare and two selects) made such ties 2^-15 wide instead of 2^-23, and
+// the attention tests, which expect the reference's codes, saw the difference. Subspace 0
+// of a non-finite vector gets the layout's nan_code.
 #include <math_constants.h>
 
 #include "pq_common.cuh"
@@ -34,14 +36,6 @@ struct StoreCfg {
   static constexpr int kSmem = kGroup * kCentroids * (DS + 1) * (int)sizeof(float);
   static_assert(DS <= 4 || P == 1, "registers");
 };
-
-// fminf that keeps subnormals (--use_fast_math flushes them): a score of 0, e.g. a zero
-// vector's distance to a zero centroid, is a subnormal once it carries its index.
-__device__ __forceinline__ float min_key(float a, float b) {
-  float r;
-  asm("min.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-}
 
 template <typename T, int DS, int P>
 __global__ void __launch_bounds__(kStoreThreads) store_kernel(StoreArgs a, int first_part, int groups) {
@@ -90,13 +84,10 @@ __global__ void __launch_bounds__(kStoreThreads) store_kernel(StoreArgs a, int f
   if (!any) return;
   const float* c = cb_smem + ml * kCentroids * DS;
   const float* hn = half_norm + ml * kCentroids;
-  // Each score with the centroid's index in its 8 low mantissa bits: one min per centroid
-  // and token keeps both (a compare and two selects otherwise). Scores within 2^-15 of
-  // their size of each other may order either way; min never returns a NaN score (the
-  // NaN-marked centroid's: NaN whatever the low bits).
   float best[P];
+  int code[P];
 #pragma unroll
-  for (int p = 0; p < P; ++p) best[p] = CUDART_INF_F;
+  for (int p = 0; p < P; ++p) best[p] = CUDART_INF_F, code[p] = 0;
 #pragma unroll 16  // amortizes the loop's own instructions
   for (int k = 0; k < kCentroids; ++k) {
     float cv[DS];
@@ -108,25 +99,24 @@ __global__ void __launch_bounds__(kStoreThreads) store_kernel(StoreArgs a, int f
       float score = h;  // |c|^2 / 2 - x.c = (|x - c|^2 - |x|^2) / 2
 #pragma unroll
       for (int i = 0; i < DS; ++i) score = __fmaf_rn(-xv[p][i], cv[i], score);
-      best[p] = min_key(best[p], __int_as_float((__float_as_int(score) & ~0xff) | k));
+      if (score < best[p]) best[p] = score, code[p] = k;  // first minimum; never a NaN
     }
   }
 #pragma unroll
   for (int p = 0; p < P; ++p) {
     if (slot[p] < 0) continue;
     const int t = lane + p * C::kLanes;
-    int code = __float_as_int(best[p]) & 0xff;
     if (m == 0) {  // the whole head's vector: one non-finite element marks the token
       const T* xh = src + (tok0 + t) * stride + (int64_t)head * a.head_dim;
       bool finite = true;  // & not &&: the loads need not wait for each other
       for (int i = 0; i < a.head_dim; ++i) finite &= isfinite(Elem<T>::to_float(xh[i]));
-      if (!finite) code = pg.lay.nan_code;
+      if (!finite) code[p] = pg.lay.nan_code;
     }
     const int64_t blk = slot[p] / pg.block_size, off = slot[p] % pg.block_size;
     uint8_t* region = pg.base + blk * pg.block_stride + head * pg.head_stride;
     const int64_t pos = is_v ? pg.lay.v_off + (int64_t)m * pg.lay.v_sub + off
                              : pg.lay.k_off + off * pg.lay.k_tok + m;
-    region[pos] = static_cast<uint8_t>(code);
+    region[pos] = static_cast<uint8_t>(code[p]);
   }
 }
 

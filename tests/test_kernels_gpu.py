@@ -342,9 +342,8 @@ def test_store_kernel_matches_reference(d, m, m_v, dtype, n):
         code_diffs += int(differ.sum())
         assert int(differ.sum()) <= max(2, differ.numel() // 1000), f"{differ.sum()} codes differ"
         if differ.any():  # only near-ties may differ: both centroids equally close
-            # The kernel minimises |c|^2 / 2 - x.c with its 8 low mantissa bits replaced by
-            # the centroid's index (2^-15 of |x|^2 + |c|^2 at most), the reference |x - c|^2,
-            # both in fp32: the kernel's centroid may be farther only by that much.
+            # The kernel minimises |c|^2 / 2 - x.c, the reference |x - c|^2, both in fp32:
+            # the kernel's centroid may be farther only by rounding of |x|^2 + |c|^2.
             mm = cb.shape[1]
             xs = x[keep].float().view(-1, hkv, mm, d // mm)
             hi = torch.arange(hkv, device=DEV).view(1, -1, 1)
@@ -353,7 +352,7 @@ def test_store_kernel_matches_reference(d, m, m_v, dtype, n):
             dg = ((xs.double() - cg.double()) ** 2).sum(-1)[differ]
             dw = ((xs.double() - cw.double()) ** 2).sum(-1)[differ]
             scale = (xs.double() ** 2 + cg.double() ** 2 + cw.double() ** 2).sum(-1)[differ]
-            assert (dg - dw <= 2**-13 * scale).all(), (dg - dw).max()
+            assert (dg - dw <= 2**-18 * scale).all(), (dg - dw).max()
     # every other byte (padding slots, other tokens, block 0) is left as it was
     assert int((cache != ref_cache).sum()) == code_diffs
 

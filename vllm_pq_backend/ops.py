@@ -8,7 +8,7 @@ import functools
 
 import torch
 
-from . import kernels, reference
+from . import codes_attention, kernels, reference
 from .layout import PageLayout
 
 MAX_SPLITS = 16  # splits of the codes per (request, KV head); the last reads the window too
@@ -212,10 +212,8 @@ def _causal_window(state) -> tuple[int, int]:
 def _codes_part(p, q, kv_cache, state, scale):
     """(out fp32, lse) of every row of the group that reads codes, by codes_attention's
     kernel (``p.codes``: rows no run covers hold garbage)."""
-    from .codes_attention import codes_attention
-
     c = p.codes
-    return codes_attention(
+    return codes_attention.codes_attention(
         q, kv_cache, p.block_ids.view(p.num_prefills, -1), state.k_cb, state.v_cb,
         state.layout, c.tiles, c.max_keys, state.window, state.sliding_window, scale,
         splits=c.splits,
@@ -232,10 +230,8 @@ def _prefill_fa(fa, p, out, q, k, v, kv_cache, state, scale) -> None:
     # ids): dequantizing them reads other blocks' codes, which the window then masks.
     kp = vp = None
     if p.codes is None:
-        from .codes_attention import dequant_pages
-
-        kp, vp = dequant_pages(kv_cache, p.block_ids, state.k_cb, state.v_cb, state.layout,
-                               first=p.page_first)
+        kp, vp = codes_attention.dequant_pages(kv_cache, p.block_ids, state.k_cb, state.v_cb,
+                                               state.layout, first=p.page_first)
     if p.seg_cu_q is None:  # window 0: every key through its codes, causal
         if p.codes is not None:
             out.copy_(_codes_part(p, q, kv_cache, state, scale)[0])
@@ -256,8 +252,6 @@ def _prefill_fa(fa, p, out, q, k, v, kv_cache, state, scale) -> None:
     )
     if p.code_rows.numel() == 0:
         return
-    from .codes_attention import merge_rows
-
     rows = p.code_rows if p.code_real is None else p.code_rows[p.code_real]
     if p.codes is not None:
         o_c, lse_c = _codes_part(p, q, kv_cache, state, scale)
@@ -277,7 +271,7 @@ def _prefill_fa(fa, p, out, q, k, v, kv_cache, state, scale) -> None:
         )
         c_rows = p.code_real if p.code_real is not None else torch.arange(
             rows.numel(), device=rows.device)
-    merge_rows(out, lse_fp, rows, o_c, lse_c, c_rows)
+    codes_attention.merge_rows(out, lse_fp, rows, o_c, lse_c, c_rows)
 
 
 def _prefill_batch_invariant(attn, p, out, q, k, v, kv_cache, state, scale) -> None:
@@ -287,9 +281,8 @@ def _prefill_batch_invariant(attn, p, out, q, k, v, kv_cache, state, scale) -> N
     dequantized pages before the segment's page, then a copy of that page whose tokens from
     the segment start on are the segment's full-precision keys (W divides the page), so
     the codes/full-precision split of layout.window_start needs no LSE merge."""
-    from .codes_attention import dequant_pages
-
-    kp, vp = dequant_pages(kv_cache, p.block_ids, state.k_cb, state.v_cb, state.layout)
+    kp, vp = codes_attention.dequant_pages(kv_cache, p.block_ids, state.k_cb, state.v_cb,
+                                           state.layout)
     if p.seg_cu_q is None:
         cu_q, max_q, used, table = p.cu_q, p.max_q, p.seq_lens, p.page_table
     else:

@@ -1,5 +1,5 @@
-"""Compiles vllm_pq_backend.codes_attention's kernels (attention, dequantized pages, merge) for sm_90 (no GPU needed) at every
-head size, bfloat16 and float16; run by tests/test_codes_attention.py in a process of its
+"""Compiles vllm_pq_backend.codes_attention's kernels (attention, dequantized pages,
+merge) for sm_90 (no GPU needed) at every head size, bfloat16 and float16; run by tests/test_codes_attention.py in a process of its
 own, without Triton's interpreter."""
 
 from triton.backends.compiler import GPUTarget
@@ -15,32 +15,27 @@ POINTERS = {"q_ptr": None, "kcb_ptr": None, "vcb_ptr": None, "o_ptr": "fp32", "l
             "rows_ptr": "i64", "crows_ptr": "i64"}  # None: the activation dtype
 
 
-def signature(fn, const, dtype):
-    return {n: "constexpr" if n in const else "*" + (POINTERS[n] or dtype) if n in POINTERS
-            else "fp32" if n == "scale_log2" else "i64" if n.endswith("stride") else "i32"
-            for n in fn.arg_names}
+def build(name, fn, const, dtype, num_warps, *shape):
+    """Compile ``fn`` with ``const`` for sm_90 and print one "compiled" line."""
+    sig = {n: "constexpr" if n in const else "*" + (POINTERS[n] or dtype) if n in POINTERS
+           else "fp32" if n == "scale_log2" else "i64" if n.endswith("stride") else "i32"
+           for n in fn.arg_names}
+    kernel = compile(ASTSource(fn=fn, signature=sig, constexprs=const),
+                     target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    assert kernel.asm["cubin"]
+    print("compiled", name, dtype, *shape, flush=True)
 
 
 for dtype in ("bf16", "fp16"):
     for d, mk, mv in ((64, 32, 32), (128, 64, 32), (256, 128, 128)):
-        const = dict(WINDOW=128, SLIDING=1024, HEAD_DIM=d, MK=mk, MV=mv, PAGE=128, K_OFF=0,
-                     K_TOK=mk, V_OFF=128 * mk, V_SUB=128, CENTROIDS=256, NAN=NAN_CODE, GROUP=4,
-                     BLOCK_M=ca.block_m(d), BLOCK_N=ca.BLOCK_N)
-        fn = ca._codes_attention_kernel
-        kernel = compile(ASTSource(fn=fn, signature=signature(fn, const, dtype), constexprs=const),
-                         target=GPUTarget("cuda", 90, 32), options={"num_warps": ca.NUM_WARPS})
-        assert kernel.asm["cubin"]
-        print("compiled attention", dtype, d, mk, mv, flush=True)
-        const = dict(HKV=8, HEAD_DIM=d, MK=mk, MV=mv, K_OFF=0, K_TOK=mk,
-                     V_OFF=96 * mk, V_SUB=96, CENTROIDS=256, TOKENS=ca.DEQUANT_TOKENS)
-        fn = ca._dequant_pages_kernel
-        kernel = compile(ASTSource(fn=fn, signature=signature(fn, const, dtype), constexprs=const),
-                         target=GPUTarget("cuda", 90, 32), options={"num_warps": 4 if d <= 128 else 8})
-        assert kernel.asm["cubin"]
-        print("compiled dequant", dtype, d, mk, mv, flush=True)
-        const = dict(HQ=28, HEADS=ca.MERGE_HEADS, HEAD_DIM=d)
-        fn = ca._merge_rows_kernel
-        kernel = compile(ASTSource(fn=fn, signature=signature(fn, const, dtype), constexprs=const),
-                         target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-        assert kernel.asm["cubin"]
-        print("compiled merge", dtype, d, flush=True)
+        build("attention", ca._codes_attention_kernel,
+              dict(WINDOW=128, SLIDING=1024, HEAD_DIM=d, MK=mk, MV=mv, PAGE=128, K_OFF=0,
+                   K_TOK=mk, V_OFF=128 * mk, V_SUB=128, CENTROIDS=256, NAN=NAN_CODE, GROUP=4,
+                   BLOCK_M=ca.block_m(d), BLOCK_N=ca.BLOCK_N),
+              dtype, ca.NUM_WARPS, d, mk, mv)
+        build("dequant", ca._dequant_pages_kernel,
+              dict(HKV=8, HEAD_DIM=d, MK=mk, MV=mv, K_OFF=0, K_TOK=mk, V_OFF=96 * mk,
+                   V_SUB=96, CENTROIDS=256, TOKENS=ca.DEQUANT_TOKENS),
+              dtype, 4 if d <= 128 else 8, d, mk, mv)
+        build("merge", ca._merge_rows_kernel, dict(HQ=28, HEADS=ca.MERGE_HEADS, HEAD_DIM=d),
+              dtype, 4, d)

@@ -41,6 +41,21 @@ int64_t check_codebook(const Tensor& cb, const char* name, const at::Device& dev
   return cb.size(1);
 }
 
+// A grid record per (KV head, subspace) [kv_heads, M, bytes] (vllm_pq_backend/nearest.py), or
+// empty: the full search. Records exist for 2-D subspaces only.
+const uint8_t* grid_of(const Tensor& g, const char* name, const at::Device& dev, int64_t heads,
+                       int64_t m, int64_t d, int* bytes) {
+  *bytes = 0;
+  if (g.numel() == 0) return nullptr;
+  check(g, name, dev, {heads, m, -1});
+  check_dtype(g, name, at::kByte);
+  TORCH_CHECK(g.is_contiguous() && g.size(2) % 16 == 0 && g.size(2) >= 32 && g.size(2) <= 16384 && d == 2 * m,
+              "vllm_pq_backend: ", name, " must be contiguous [", heads, ", ", m,
+              ", bytes (a multiple of 16, at most 16384)] for 2-D subspaces, got ", g.sizes(), " with head_dim ", d);
+  *bytes = static_cast<int>(g.size(2));
+  return g.data_ptr<uint8_t>();
+}
+
 // vLLM's layer view [blocks, kv_heads, B, Mk + Mv] (bytes), a (block, head) region dense and
 // laid out as vllm_pq_backend/layout.py says.
 pq::Pages pages_of(const Tensor& kv_cache, const at::Device& dev, int64_t heads, int64_t m_k,
@@ -67,8 +82,8 @@ void check_cuda(cudaError_t err, const char* what) {
 }
 
 void store(Tensor kv_cache, const Tensor& key, const Tensor& value, const Tensor& slot_mapping,
-           const Tensor& k_cb, const Tensor& v_cb, int64_t k_off, int64_t k_tok, int64_t v_off,
-           int64_t v_sub, int64_t nan_code) {
+           const Tensor& k_cb, const Tensor& v_cb, const Tensor& k_grid, const Tensor& v_grid,
+           int64_t k_off, int64_t k_tok, int64_t v_off, int64_t v_sub, int64_t nan_code) {
   const at::Device dev = key.device();
   TORCH_CHECK(dev.is_cuda(), "vllm_pq_backend: key must be a CUDA tensor");
   const at::cuda::OptionalCUDAGuard guard(dev);
@@ -95,6 +110,8 @@ void store(Tensor kv_cache, const Tensor& key, const Tensor& value, const Tensor
   a.slot_mapping = slot_mapping.data_ptr<int64_t>();
   a.k_cb = k_cb.data_ptr<float>();
   a.v_cb = v_cb.data_ptr<float>();
+  a.k_grid = grid_of(k_grid, "k_grid", dev, heads, m_k, d, &a.k_grid_bytes);
+  a.v_grid = grid_of(v_grid, "v_grid", dev, heads, m_v, d, &a.v_grid_bytes);
   a.num_tokens = static_cast<int>(slot_mapping.size(0));
   a.num_kv_heads = static_cast<int>(heads);
   a.head_dim = static_cast<int>(d);
@@ -244,7 +261,8 @@ TORCH_LIBRARY(pq_backend, m) {
   m.def("map(Tensor(a!)[] out, Tensor[] x, Tensor[] t) -> ()");
   m.def(
       "store(Tensor(a!) kv_cache, Tensor key, Tensor value, Tensor slot_mapping, Tensor k_cb, "
-      "Tensor v_cb, int k_off, int k_tok, int v_off, int v_sub, int nan_code) -> ()");
+      "Tensor v_cb, Tensor k_grid, Tensor v_grid, int k_off, int k_tok, int v_off, int v_sub, "
+      "int nan_code) -> ()");
   m.def(
       "decode(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
       "Tensor k_cb, Tensor v_cb, Tensor(d!) win_k, Tensor(e!) win_v, Tensor rows, Tensor new_k, "

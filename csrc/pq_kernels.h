@@ -33,6 +33,12 @@ struct StoreArgs {
   const int64_t* slot_mapping;  // [n], -1 = padding
   const float* k_cb;            // [kv_heads, Mk, 256, D/Mk]
   const float* v_cb;            // [kv_heads, Mv, 256, D/Mv]
+  // 2-D subspaces: per (KV head, subspace) a record of grid_bytes bytes that lists the
+  // centroids that can be nearest in each cell of the plane (vllm_pq_backend/nearest.py
+  // defines it), or null: the full search
+  const uint8_t* k_grid;  // [kv_heads, Mk, k_grid_bytes]
+  const uint8_t* v_grid;
+  int k_grid_bytes, v_grid_bytes;
   int num_tokens, num_kv_heads, head_dim, m_k, m_v;
   DType dtype;
 };

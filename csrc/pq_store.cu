@@ -14,6 +14,13 @@
 // instead of a compare and two selects) made such ties 2^-15 wide instead of 2^-23, and
 // the attention tests, which expect the reference's codes, saw the difference. Subspace 0
 // of a non-finite vector gets the layout's nan_code.
+//
+// 2-D subspaces (4 bits per element) with a grid record (vllm_pq_backend/nearest.py) skip
+// most of the 256 centroids: a token's cell lists the few that can be nearest to it, in
+// index order, and the same fp32 scores pick among them, so the code is the full search's
+// (a token outside the record's box, or not finite, gets the full search). Large stores
+// take that path with 512 tokens per CTA, so that staging the records is paid once for
+// many tokens.
 #include <math_constants.h>
 
 #include "pq_common.cuh"
@@ -28,14 +35,114 @@ constexpr int kStoreThreads = 256;
 // ones need the registers), small ones 1, so that a decode step's few tokens spread over
 // as many threads as they can. Widths >= 8 give a subspace two warps (their groups hold
 // half as many subspaces in the same shared memory).
-template <int DS, int P>
+template <int DS, int P, bool Grid = false>
 struct StoreCfg {
   static constexpr int kLanes = DS >= 8 ? 64 : 32;       // threads per subspace: whole warps
-  static constexpr int kTokens = kLanes * P;             // tokens per CTA
+  static constexpr int kTokens = kLanes * P * (Grid ? 4 : 1);  // tokens per CTA
   static constexpr int kGroup = kStoreThreads / kLanes;  // subspaces per CTA: one item a thread
   static constexpr int kSmem = kGroup * kCentroids * (DS + 1) * (int)sizeof(float);
   static_assert(DS <= 4 || P == 1, "registers");
+  static_assert(!Grid || DS == 2, "grid records are 2-D");
 };
+
+// The code of token `t` goes into its page; subspace 0 of a non-finite vector gets nan_code.
+template <typename T>
+__device__ __forceinline__ void write_code(const StoreArgs& a, const T* src, int64_t stride, bool is_v,
+                                           int head, int m, int tok, int64_t slot, int code) {
+  const Pages& pg = a.pages;
+  if (m == 0) {  // the whole head's vector: one non-finite element marks the token
+    const T* xh = src + tok * stride + (int64_t)head * a.head_dim;
+    bool finite = true;  // & not &&: the loads need not wait for each other
+    for (int i = 0; i < a.head_dim; ++i) finite &= isfinite(Elem<T>::to_float(xh[i]));
+    if (!finite) code = pg.lay.nan_code;
+  }
+  const int64_t blk = slot / pg.block_size, off = slot % pg.block_size;
+  uint8_t* region = pg.base + blk * pg.block_stride + head * pg.head_stride;
+  const int64_t pos = is_v ? pg.lay.v_off + (int64_t)m * pg.lay.v_sub + off
+                           : pg.lay.k_off + off * pg.lay.k_tok + m;
+  region[pos] = static_cast<uint8_t>(code);
+}
+
+// Score of 2-D centroid k, |c|^2 / 2 - x.c, by the same fused multiply-adds as the full
+// search; the first minimum wins and a NaN never does.
+__device__ __forceinline__ void try_centroid(float x0, float x1, const float* c, const float* hn, int k,
+                                             float& best, int& code) {
+  const float score = __fmaf_rn(-x1, c[2 * k + 1], __fmaf_rn(-x0, c[2 * k], hn[k]));
+  if (score < best) best = score, code = k;
+}
+
+// Grid records (nearest.py): 16 bytes lo[2], inv_w[2]; uint16 bins, offsets, lists, fine,
+// cells at byte 16.
+__device__ __forceinline__ int grid_code(float x0, float x1, const float* c, const float* hn,
+                                         const uint8_t* rec) {
+  const float* f = reinterpret_cast<const float*>(rec);
+  const uint16_t* sec = reinterpret_cast<const uint16_t*>(rec + 16);
+  const float fx = (x0 - f[0]) * f[2], fy = (x1 - f[1]) * f[3];
+  const float fine = sec[3];
+  float best = CUDART_INF_F;
+  int code = 0;
+  if (fx >= 0.f && fx < fine && fy >= 0.f && fy < fine) {  // false for NaN
+    const uint8_t* bins = rec + sec[0];
+    const int cell = bins[(int)fx] * sec[4] + bins[sec[3] + (int)fy];
+    const uint16_t* offs = reinterpret_cast<const uint16_t*>(rec + sec[1]);
+    const uint8_t* list = rec + sec[2];
+    for (int j = offs[cell]; j < offs[cell + 1]; ++j) try_centroid(x0, x1, c, hn, list[j], best, code);
+  } else {
+    for (int k = 0; k < kCentroids; ++k) try_centroid(x0, x1, c, hn, k, best, code);
+  }
+  return code;
+}
+
+// Large stores of 2-D subspaces with grid records: a warp per subspace, 512 tokens a CTA.
+template <typename T>
+__global__ void __launch_bounds__(kStoreThreads) store_grid_kernel(StoreArgs a, int first_part, int groups) {
+  using C = StoreCfg<2, 1, true>;
+  constexpr int kTiles = C::kTokens / C::kLanes;
+  // [group][256][2] centroids, [group][256] |c|^2 / 2, [group][record] grid records
+  extern __shared__ float cb_smem[];
+  const int head = blockIdx.y;
+  const bool is_v = first_part + (int)blockIdx.z / groups == 1;
+  const int m_total = is_v ? a.m_v : a.m_k;
+  const int rec_bytes = is_v ? a.v_grid_bytes : a.k_grid_bytes;
+  const int m0 = (blockIdx.z % groups) * C::kGroup;
+  const int mg = min(C::kGroup, m_total - m0);
+  float* half_norm = cb_smem + C::kGroup * kCentroids * 2;
+  uint8_t* recs = reinterpret_cast<uint8_t*>(half_norm + C::kGroup * kCentroids);
+  const float* cb = (is_v ? a.v_cb : a.k_cb) + ((size_t)head * m_total + m0) * kCentroids * 2;
+  const uint8_t* grid = (is_v ? a.v_grid : a.k_grid) + ((size_t)head * m_total + m0) * rec_bytes;
+  const T* src = static_cast<const T*>(is_v ? a.value : a.key);
+  const int64_t stride = is_v ? a.value_stride : a.key_stride;
+  const int tok0 = blockIdx.x * C::kTokens;
+  const int ntok = min(C::kTokens, a.num_tokens - tok0);
+
+  const float4* g4 = reinterpret_cast<const float4*>(cb);
+  float4* s4 = reinterpret_cast<float4*>(cb_smem);
+  for (int i = threadIdx.x; i < mg * kCentroids * 2 / 4; i += kStoreThreads) s4[i] = g4[i];
+  const uint4* gr = reinterpret_cast<const uint4*>(grid);
+  uint4* sr = reinterpret_cast<uint4*>(recs);
+  for (int i = threadIdx.x; i < mg * rec_bytes / 16; i += kStoreThreads) sr[i] = gr[i];
+  for (int j = threadIdx.x; j < mg * kCentroids; j += kStoreThreads) {
+    const float* cj = cb + (size_t)j * 2;
+    half_norm[j] = 0.5f * __fmaf_rn(cj[1], cj[1], __fmaf_rn(cj[0], cj[0], 0.f));  // as the full search
+  }
+  __syncthreads();
+  const int lane = threadIdx.x % C::kLanes, ml = threadIdx.x / C::kLanes;
+  const int m = m0 + ml;
+  if (ml >= mg) return;
+  const float* c = cb_smem + ml * kCentroids * 2;
+  const float* hn = half_norm + ml * kCentroids;
+  const uint8_t* rec = recs + ml * rec_bytes;
+#pragma unroll 1
+  for (int i = 0; i < kTiles; ++i) {
+    const int t = lane + i * C::kLanes;
+    if (t >= ntok) break;
+    const int64_t slot = a.slot_mapping[tok0 + t];
+    if (slot < 0) continue;
+    const T* xp = src + (tok0 + t) * stride + (int64_t)head * a.head_dim + m * 2;
+    const int code = grid_code(Elem<T>::to_float(xp[0]), Elem<T>::to_float(xp[1]), c, hn, rec);
+    write_code(a, src, stride, is_v, head, m, tok0 + t, slot, code);
+  }
+}
 
 template <typename T, int DS, int P>
 __global__ void __launch_bounds__(kStoreThreads) store_kernel(StoreArgs a, int first_part, int groups) {
@@ -53,7 +160,6 @@ __global__ void __launch_bounds__(kStoreThreads) store_kernel(StoreArgs a, int f
   const int64_t stride = is_v ? a.value_stride : a.key_stride;
   const int tok0 = blockIdx.x * C::kTokens;
   const int ntok = min(C::kTokens, a.num_tokens - tok0);
-  const Pages& pg = a.pages;
 
   const float4* g4 = reinterpret_cast<const float4*>(cb);
   float4* s4 = reinterpret_cast<float4*>(cb_smem);
@@ -104,19 +210,7 @@ __global__ void __launch_bounds__(kStoreThreads) store_kernel(StoreArgs a, int f
   }
 #pragma unroll
   for (int p = 0; p < P; ++p) {
-    if (slot[p] < 0) continue;
-    const int t = lane + p * C::kLanes;
-    if (m == 0) {  // the whole head's vector: one non-finite element marks the token
-      const T* xh = src + (tok0 + t) * stride + (int64_t)head * a.head_dim;
-      bool finite = true;  // & not &&: the loads need not wait for each other
-      for (int i = 0; i < a.head_dim; ++i) finite &= isfinite(Elem<T>::to_float(xh[i]));
-      if (!finite) code[p] = pg.lay.nan_code;
-    }
-    const int64_t blk = slot[p] / pg.block_size, off = slot[p] % pg.block_size;
-    uint8_t* region = pg.base + blk * pg.block_stride + head * pg.head_stride;
-    const int64_t pos = is_v ? pg.lay.v_off + (int64_t)m * pg.lay.v_sub + off
-                             : pg.lay.k_off + off * pg.lay.k_tok + m;
-    region[pos] = static_cast<uint8_t>(code[p]);
+    if (slot[p] >= 0) write_code(a, src, stride, is_v, head, m, tok0 + lane + p * C::kLanes, slot[p], code[p]);
   }
 }
 
@@ -134,13 +228,34 @@ cudaError_t launch_store(const StoreArgs& a, int first_part, int parts, int m, c
   return cudaGetLastError();
 }
 
+// Parts with grid records (all of them: the caller launches K and V apart otherwise).
+template <typename T>
+cudaError_t launch_store_grid(const StoreArgs& a, int first_part, int parts, int m, cudaStream_t stream) {
+  using C = StoreCfg<2, 1, true>;
+  auto kernel = store_grid_kernel<T>;
+  const int rec = max(first_part == 0 ? a.k_grid_bytes : 0, first_part + parts == 2 ? a.v_grid_bytes : 0);
+  const int smem = C::kSmem + C::kGroup * rec;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return err;
+  const int groups = ceil_div(m, C::kGroup);
+  dim3 grid(ceil_div(a.num_tokens, C::kTokens), a.num_kv_heads, parts * groups);
+  kernel<<<grid, kStoreThreads, smem, stream>>>(a, first_part, groups);
+  return cudaGetLastError();
+}
+
 // 4 tokens per thread once 128-token CTAs still number a few per SM (prefill); 1 below.
 constexpr int kManyTokens = 1024;
 
 template <typename T, int DS>
 cudaError_t launch_store(const StoreArgs& a, int first_part, int parts, int m, cudaStream_t stream) {
   if constexpr (DS <= 4) {
-    if (a.num_tokens >= kManyTokens) return launch_store<T, DS, 4>(a, first_part, parts, m, stream);
+    if (a.num_tokens >= kManyTokens) {
+      if constexpr (DS == 2) {
+        const bool k = first_part > 0 || a.k_grid, v = first_part + parts < 2 || a.v_grid;
+        if (k && v) return launch_store_grid<T>(a, first_part, parts, m, stream);
+      }
+      return launch_store<T, DS, 4>(a, first_part, parts, m, stream);
+    }
   }
   return launch_store<T, DS, 1>(a, first_part, parts, m, stream);
 }
@@ -158,7 +273,10 @@ cudaError_t store_parts(const StoreArgs& a, int first_part, int parts, int m, cu
 
 template <typename T>
 cudaError_t store_typed(const StoreArgs& a, cudaStream_t stream) {
-  if (a.m_k == a.m_v) return store_parts<T>(a, 0, 2, a.m_k, stream);
+  // one launch for K and V when their widths and their grid records agree
+  const bool same = a.m_k == a.m_v && (a.k_grid == nullptr) == (a.v_grid == nullptr) &&
+                    (a.k_grid == nullptr || a.k_grid_bytes == a.v_grid_bytes);
+  if (same) return store_parts<T>(a, 0, 2, a.m_k, stream);
   const cudaError_t err = store_parts<T>(a, 0, 1, a.m_k, stream);
   return err != cudaSuccess ? err : store_parts<T>(a, 1, 1, a.m_v, stream);
 }

@@ -1,7 +1,8 @@
 """The KV store side by side at Llama-3-8B's shape (8 KV heads, d=128): CUSTOM's
 `pq_backend::store` (nearest centroid of every subspace of K and V, codes into the pages)
 vs FLASH_ATTN's `reshape_and_cache_flash` (bf16 rows into the pages), the same tokens and
-slots for both. In prefill the store runs once per layer for every new token, so its time
+slots for both. CUSTOM is timed as the backend runs it (grid records for 2-D subspaces,
+vllm_pq_backend/nearest.py) and with the full search over all 256 centroids. In prefill the store runs once per layer for every new token, so its time
 adds to every uncached prompt (eval/profile_prefill.py shows its share).
 
 Timed with CUDA events after warm-up, median of trials; random data (no zeros):
@@ -41,7 +42,7 @@ def timed(fn, reps: int = 20, trials: int = 7) -> float:
 def run(tokens: int, bits: int) -> list[dict]:
     from vllm import _custom_ops as vllm_ops
 
-    from vllm_pq_backend import codebooks, kernels
+    from vllm_pq_backend import codebooks, kernels, nearest
     from vllm_pq_backend.layout import PageLayout
 
     kernels.load()
@@ -58,12 +59,19 @@ def run(tokens: int, bits: int) -> list[dict]:
     k_cache = torch.zeros(blocks, BLOCK, HKV, D, dtype=torch.bfloat16, device=dev)
     v_cache = torch.zeros_like(k_cache)
     one = torch.ones(1, dtype=torch.float32, device=dev)
+    grids = [nearest.build(cb) for cb in (k_cb, v_cb)]  # what the backend passes (2-D only)
+    none = torch.empty(0, dtype=torch.uint8, device=dev)
     custom = timed(lambda: torch.ops.pq_backend.store(cache, key, value, slots, k_cb, v_cb,
-                                                      *lay.kernel_args()))
+                                                      *grids, *lay.kernel_args()))
+    full = timed(lambda: torch.ops.pq_backend.store(cache, key, value, slots, k_cb, v_cb,
+                                                    none, none, *lay.kernel_args()))
     flash = timed(lambda: vllm_ops.reshape_and_cache_flash(key, value, k_cache, v_cache, slots,
                                                            "auto", one, one))
     row = dict(tokens=tokens, kv_heads=HKV, head_dim=D, bits=bits)
-    return [dict(row, backend=f"CUSTOM {bits} bits", us=round(custom, 1)),
+    grid = bool(grids[0].numel())
+    return [dict(row, backend=f"CUSTOM {bits} bits", us=round(custom, 1), grid_search=grid,
+                 grid_record_bytes=grids[0].shape[-1] if grid else None),
+            dict(row, backend=f"CUSTOM {bits} bits, full search", us=round(full, 1)),
             dict(row, backend="FLASH_ATTN", bits=None, us=round(flash, 1))]
 
 

@@ -6,11 +6,12 @@ import math
 import pytest
 import torch
 
-from vllm_pq_backend import codebooks, ops, reference
+from vllm_pq_backend import codebooks, nearest, ops, reference
 from vllm_pq_backend.layout import HEAD_DIMS, NAN_CODE, PageLayout, supported_m
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEV = "cuda"
+NO_GRID = torch.empty(0, dtype=torch.uint8)  # no grid records: the store's full search
 TOL = {torch.bfloat16: 1.5e-2, torch.float16: 4e-3}  # P and centroids in 16-bit for the MMAs
 
 
@@ -266,7 +267,7 @@ def test_store_marks_non_finite_vectors():
     value[21, 0, 0] = float("nan")
     k_cb = codebooks.nan_marked(torch.randn(hkv, 64, 256, 2, generator=gen).to(DEV))
     v_cb = codebooks.nan_marked(torch.randn(hkv, 32, 256, 4, generator=gen).to(DEV))
-    torch.ops.pq_backend.store(cache, key, value, slots, k_cb, v_cb, *lay.kernel_args())
+    torch.ops.pq_backend.store(cache, key, value, slots, k_cb, v_cb, NO_GRID, NO_GRID, *lay.kernel_args())
     kc, vc = reference.codes_at(cache, slots, lay)
     for codes, rows in ((kc, [(5, 1), (9, 0)]), (vc, [(20, 1), (21, 0)])):
         want = torch.zeros(n, hkv, dtype=torch.bool, device=DEV)
@@ -275,7 +276,7 @@ def test_store_marks_non_finite_vectors():
         assert torch.equal(codes[..., 0] == NAN_CODE, want)
     # the code comes from the layout's kernel arguments, not a constant of the kernel's own
     *args, _ = lay.kernel_args()
-    torch.ops.pq_backend.store(cache, key, value, slots, k_cb, v_cb, *args, 7)
+    torch.ops.pq_backend.store(cache, key, value, slots, k_cb, v_cb, NO_GRID, NO_GRID, *args, 7)
     kc, _ = reference.codes_at(cache, slots, lay)
     assert (kc[5, 1, 0], kc[9, 0, 0]) == (7, 7)
 
@@ -332,7 +333,7 @@ def test_store_kernel_matches_reference(d, m, m_v, dtype, n):
     v_cb = torch.randn(hkv, m_v, 256, d // m_v, generator=gen).to(DEV)
     # a zero row and a zero centroid 7: a score of exactly 0, which must still name 7
     key[0], value[0], k_cb[:, :, 7], v_cb[:, :, 7] = 0, 0, 0, 0
-    torch.ops.pq_backend.store(cache, key, value, slots, k_cb, v_cb, *lay.kernel_args())
+    torch.ops.pq_backend.store(cache, key, value, slots, k_cb, v_cb, NO_GRID, NO_GRID, *lay.kernel_args())
     reference.store(ref_cache, key, value, slots, k_cb, v_cb, lay)
     keep = slots >= 0
     code_diffs = 0
@@ -355,6 +356,66 @@ def test_store_kernel_matches_reference(d, m, m_v, dtype, n):
             assert (dg - dw <= 2**-18 * scale).all(), (dg - dw).max()
     # every other byte (padding slots, other tokens, block 0) is left as it was
     assert int((cache != ref_cache).sum()) == code_diffs
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d,m,m_v", [(64, 32, 32), (128, 64, 64), (128, 64, 32)])
+def test_store_grid_search_gives_the_full_search_codes(d, m, m_v, dtype):
+    """Large stores of 2-D subspaces look the nearest centroid up in grid cells
+    (nearest.py): every byte equals the full search's, for tokens near centroids, on ties
+    between two, on cell edges, far outside the grid and not finite; and the records are
+    really read (emptied lists change the codes)."""
+    gen = torch.Generator().manual_seed(d + m + m_v)
+    hkv, block, n = 4, 64, 4096
+    lay = PageLayout(block, m, m_v)
+    slots = torch.randperm(80 * block, generator=gen)[:n]
+    slots[torch.rand(n, generator=gen) < 0.05] = -1
+    slots = slots.to(DEV)
+    books, grids, xs = [], [], []
+    for mm in (m, m_v):
+        ds = d // mm
+        # a dense core and a sparse halo, as trained codebooks have
+        cb = torch.randn(hkv, mm, 256, ds, generator=gen) * torch.where(
+            torch.rand(hkv, mm, 256, 1, generator=gen) < 0.7, 0.3, 1.5)
+        cb = codebooks.nan_marked(cb).to(DEV)
+        books.append(cb)
+        grids.append(nearest.build(cb))
+        pick = torch.randint(0, 255, (n, hkv, mm), generator=gen).to(DEV)
+        hi = torch.arange(hkv, device=DEV).view(1, -1, 1)
+        mi = torch.arange(mm, device=DEV).view(1, 1, -1)
+        near = cb[hi, mi, pick]  # [n, hkv, mm, ds]
+        other = cb[hi, mi, (pick + 1) % 255]
+        x = near + 0.2 * torch.randn(near.shape, generator=gen).to(DEV) * near.abs().mean()
+        x[:200] = near[:200]  # on a centroid
+        x[200:400] = (near[200:400] + other[200:400]) / 2  # ties between two
+        x[400:500] = near[400:500] * 50  # far outside every grid
+        if ds == 2:  # on cell edges: lo + e / inv_w of the records' fine bins
+            rec = grids[-1].view(hkv * mm, -1)
+            lo_w = rec[:, :16].view(torch.float32).view(hkv, mm, 4)
+            e = torch.randint(0, 257, (100, hkv, mm, 2), generator=gen).to(DEV).float()
+            x[500:600] = lo_w[..., :2] + e / lo_w[..., 2:]
+        xs.append(x.reshape(n, hkv, d).to(dtype))
+    assert all(g.numel() for g, mm in zip(grids, (m, m_v)) if d // mm == 2)
+    key, value = xs
+    key[600, 1, 3], value[601, 2, 60] = float("nan"), float("inf")
+
+    def stored(kg, vg):
+        cache = torch.full((80, hkv, block, lay.state_bytes), 0xAB, dtype=torch.uint8, device=DEV)
+        torch.ops.pq_backend.store(cache, key, value, slots, books[0], books[1], kg, vg, *lay.kernel_args())
+        return cache
+
+    full = stored(NO_GRID, NO_GRID)
+    for kg, vg in ((grids[0], grids[1]), (grids[0], NO_GRID), (NO_GRID, grids[1])):
+        got = stored(kg, vg)
+        assert torch.equal(got, full), int((got != full).sum())
+    empty = grids[0].clone()
+    _, off_at, lists_at = nearest.sections()
+    empty[..., off_at:lists_at] = 0  # every cell's list empty: code 0 inside the grids
+    assert not torch.equal(stored(empty, grids[1]), full)
+    with pytest.raises(RuntimeError, match="k_grid has shape"):
+        stored(grids[0][:, :1], grids[1])
+    with pytest.raises(RuntimeError, match="k_grid must be contiguous"):
+        stored(grids[0][..., 8:], grids[1])
 
 
 def _decode_args(c, **over):
@@ -404,18 +465,18 @@ def test_store_rejects_bad_inputs():
     slots = torch.arange(8, device=DEV)
     k_cb = torch.randn(2, 32, 256, 2, device=DEV)
     v_cb = torch.randn(2, 16, 256, 4, device=DEV)
-    torch.ops.pq_backend.store(cache, key, key, slots, k_cb, v_cb, *lay.kernel_args())  # fine
+    torch.ops.pq_backend.store(cache, key, key, slots, k_cb, v_cb, NO_GRID, NO_GRID, *lay.kernel_args())  # fine
     with pytest.raises(RuntimeError, match="kv_cache has shape"):  # page sized for Mk = Mv = 32
-        torch.ops.pq_backend.store(cache, key, key, slots, k_cb, k_cb, *lay.kernel_args())
+        torch.ops.pq_backend.store(cache, key, key, slots, k_cb, k_cb, NO_GRID, NO_GRID, *lay.kernel_args())
     with pytest.raises(RuntimeError, match="slot_mapping must be Long"):
-        torch.ops.pq_backend.store(cache, key, key, slots.int(), k_cb, v_cb, *lay.kernel_args())
+        torch.ops.pq_backend.store(cache, key, key, slots.int(), k_cb, v_cb, NO_GRID, NO_GRID, *lay.kernel_args())
     with pytest.raises(RuntimeError, match="v_cb has shape"):
-        torch.ops.pq_backend.store(cache, key, key, slots, k_cb, v_cb[:1], *lay.kernel_args())
+        torch.ops.pq_backend.store(cache, key, key, slots, k_cb, v_cb[:1], NO_GRID, NO_GRID, *lay.kernel_args())
     with pytest.raises(RuntimeError, match="page layout"):
-        torch.ops.pq_backend.store(cache, key, key, slots, k_cb, v_cb, *PageLayout(64, 16, 32).kernel_args())
+        torch.ops.pq_backend.store(cache, key, key, slots, k_cb, v_cb, NO_GRID, NO_GRID, *PageLayout(64, 16, 32).kernel_args())
     # decode reads centroid 0 for the keys it masks: 0 can never be the NaN marker
     with pytest.raises(RuntimeError, match="nan_code must be in 1..255"):
-        torch.ops.pq_backend.store(cache, key, key, slots, k_cb, v_cb, *lay.kernel_args()[:4], 0)
+        torch.ops.pq_backend.store(cache, key, key, slots, k_cb, v_cb, NO_GRID, NO_GRID, *lay.kernel_args()[:4], 0)
 
 
 @pytest.mark.parametrize("d", HEAD_DIMS)

@@ -7,7 +7,7 @@ from vllm import envs
 from vllm.logger import init_logger
 from vllm.v1.attention.backend import AttentionImpl, AttentionLayer, AttentionType
 
-from . import codebooks, kernels, ops, reference
+from . import codebooks, kernels, nearest, ops, reference
 from .backend import configured_m
 from .config import PQConfig, current_pq_config
 from .layout import PageLayout
@@ -29,6 +29,10 @@ class LayerState:
         self.k_cb32 = codebooks.nan_marked(k32).to(device)
         self.v_cb32 = codebooks.nan_marked(v32).to(device)
         self.k_cb, self.v_cb = self.k_cb32.to(dtype), self.v_cb32.to(dtype)  # attend
+        # the store kernel's cells of 2-D subspaces (nearest.py; empty: the full search)
+        on_gpu = torch.device(device).type == "cuda"
+        self.k_grid, self.v_grid = (nearest.build(cb) if on_gpu else cb.new_empty(0, dtype=torch.uint8)
+                                    for cb in (self.k_cb32, self.v_cb32))
         # The codebooks' linear maps (codebooks.py): keys k T_k, queries q T_k^-T (q.k is
         # unchanged), values v T_v and outputs o T_v^-1. Everything after them (store,
         # window, kernels, prefill) works in the mapped frame. fp32: a bf16 map would
@@ -253,7 +257,7 @@ def _log_memory(impl: PQAttentionImpl, st: LayerState) -> None:
     esz = st.k_cb.element_size()  # the model's activation dtype: what a dense cache holds
     per_token = impl.num_kv_heads * st.layout.state_bytes * layers
     dense = 2 * impl.num_kv_heads * impl.head_size * esz * layers
-    books = 2 * st.k_cb32.numel() * (4 + esz) * layers
+    books = (2 * st.k_cb32.numel() * (4 + esz) + st.k_grid.numel() + st.v_grid.numel()) * layers
     if st.window > 0:
         sched = impl._vllm_config.scheduler_config
         rows = st.win_k.shape[0] - 1

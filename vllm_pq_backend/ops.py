@@ -103,7 +103,7 @@ def store(kv_cache, key, value, slot_mapping, state) -> None:
     if use_kernels(key):
         torch.ops.pq_backend.store(
             kv_cache, key, value, slot_mapping, state.k_cb32, state.v_cb32,
-            *state.layout.kernel_args(),
+            state.k_grid, state.v_grid, *state.layout.kernel_args(),
         )
     else:
         reference.store(

@@ -19,8 +19,7 @@
 // most of the 256 centroids: a token's cell lists the few that can be nearest to it, in
 // index order, and the same fp32 scores pick among them, so the code is the full search's
 // (a token outside the record's box, or not finite, gets the full search). Large stores
-// take that path with 512 tokens per CTA, so that staging the records is paid once for
-// many tokens.
+// take that path, 128 tokens per CTA (4 a lane) as the full search's large stores have.
 #include <math_constants.h>
 
 #include "pq_common.cuh"
@@ -93,7 +92,7 @@ __device__ __forceinline__ int grid_code(float x0, float x1, const float* c, con
   return code;
 }
 
-// Large stores of 2-D subspaces with grid records: a warp per subspace, 512 tokens a CTA.
+// Large stores of 2-D subspaces with grid records: a warp per subspace, 128 tokens a CTA.
 template <typename T>
 __global__ void __launch_bounds__(kStoreThreads) store_grid_kernel(StoreArgs a, int first_part, int groups) {
   using C = StoreCfg<2, 1, true>;

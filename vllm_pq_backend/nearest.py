@@ -60,32 +60,34 @@ def build(centroids: torch.Tensor) -> torch.Tensor:
         return centroids.new_empty(0, dtype=torch.uint8)
     flat = centroids.reshape(h * m, c, 2)
     parts = [_chunk(flat[i:i + _CHUNK]) for i in range(0, h * m, _CHUNK)]
-    longest = max(len(cc) for p in parts for _, cc in p[2])
+    head = torch.cat([p[0] for p in parts])  # [h*m, 4] float32
+    bins = torch.cat([p[1] for p in parts])  # [h*m, 2, FINE] uint8
+    cand = torch.cat([p[2] for p in parts])  # [h*m, cells, 256] bool
+    counts = cand.sum(2)  # [h*m, cells]
+    total = counts.sum(1)  # list entries per record
     bins_at, off_at, lists_at = sections()
-    size = -(-(lists_at + longest) // 16) * 16
+    size = -(-(lists_at + int(total.max())) // 16) * 16
     if size > MAX_RECORD:
         return centroids.new_empty(0, dtype=torch.uint8)
     rec = torch.zeros(h * m, size, dtype=torch.uint8)
-    row = 0
-    for head, bins, lists in parts:
-        for j in range(head.shape[0]):
-            r = rec[row]
-            r[:16] = head[j].view(torch.uint8)
-            r[16:26] = torch.tensor([bins_at, off_at, lists_at, FINE, CELLS],
-                                    dtype=torch.int16).view(torch.uint8)
-            r[bins_at:off_at] = bins[j].reshape(-1)
-            counts = torch.bincount(lists[j][0], minlength=CELLS * CELLS)
-            offsets = torch.zeros(CELLS * CELLS + 1, dtype=torch.int32)
-            offsets[1:] = counts.cumsum(0)
-            r[off_at:lists_at] = offsets.to(torch.int16).view(torch.uint8)
-            r[lists_at:lists_at + len(lists[j][1])] = lists[j][1]
-            row += 1
+    rec[:, :16] = head.view(torch.uint8)
+    rec[:, 16:26] = torch.tensor([bins_at, off_at, lists_at, FINE, CELLS],
+                                 dtype=torch.int16).view(torch.uint8)
+    rec[:, bins_at:off_at] = bins.reshape(h * m, -1)
+    offsets = torch.zeros(h * m, CELLS * CELLS + 1, dtype=torch.int16)
+    offsets[:, 1:] = counts.cumsum(1)
+    rec[:, off_at:lists_at] = offsets.view(torch.uint8)
+    # list entries in (subspace, cell, centroid) order, each at its place in its record
+    sub, _, cent = cand.nonzero(as_tuple=True)
+    first = total.cumsum(0) - total  # a record's first entry
+    place = torch.arange(len(sub)) - first[sub]
+    rec[sub, lists_at + place] = cent.to(torch.uint8)
     return rec.view(h, m, size).to(centroids.device)
 
 
 def _chunk(cb: torch.Tensor):
-    """(header floats [s, 4], bins uint8 [s, 2, FINE], per subspace (cell ids, centroid
-    ids) of its list entries sorted by cell then centroid) for ``cb [s, 256, 2]``."""
+    """(header floats [s, 4], bins uint8 [s, 2, FINE], listed centroids bool
+    [s, cells, 256]), on the CPU, for ``cb [s, 256, 2]``."""
     s = cb.shape[0]
     cb = cb.double()
     ok = torch.isfinite(cb).all(-1)  # [s, 256]
@@ -156,9 +158,4 @@ def _chunk(cb: torch.Tensor):
     scale = far.square().sum(-1)[:, :, None, None] + sc[..., None] + sd[:, :, None]
     keep = valid & ~(gap > 1e-5 * scale).any(3)
     cand = torch.zeros_like(cand).scatter(2, idx, keep)
-    head = torch.cat([lo, inv_w], 1).cpu()
-    out = []
-    for j in range(s):
-        cj, cc = cand[j].nonzero(as_tuple=True)  # row-major: by cell, then centroid
-        out.append((cj.cpu(), cc.to(torch.uint8).cpu()))
-    return head, bins.cpu(), out
+    return torch.cat([lo, inv_w], 1).cpu(), bins.cpu(), cand.cpu()

@@ -125,7 +125,7 @@ void decode(Tensor out, const Tensor& q, const Tensor& kv_cache, const Tensor& b
             const Tensor& seq_lens, const Tensor& k_cb, const Tensor& v_cb, const Tensor& win_k,
             const Tensor& win_v, const Tensor& rows, const Tensor& new_k, const Tensor& new_v,
             int64_t window, int64_t sliding_window,
-            int64_t num_splits, int64_t num_ctas, double scale, bool lut, Tensor ws_o, Tensor ws_lse, int64_t k_off,
+            int64_t num_splits, int64_t min_split, int64_t num_ctas, double scale, bool lut, Tensor ws_o, Tensor ws_lse, int64_t k_off,
             int64_t k_tok, int64_t v_off, int64_t v_sub, int64_t nan_code) {
   const at::Device dev = q.device();
   TORCH_CHECK(dev.is_cuda(), "vllm_pq_backend: q must be a CUDA tensor");
@@ -152,6 +152,8 @@ void decode(Tensor out, const Tensor& q, const Tensor& kv_cache, const Tensor& b
   TORCH_CHECK(seq_lens.is_contiguous() && seq_lens.size(0) >= reqs, "vllm_pq_backend: seq_lens must be "
               "contiguous int32 with >= ", reqs, " entries");
   TORCH_CHECK(num_splits >= 1, "vllm_pq_backend: num_splits must be >= 1, got ", num_splits);
+  TORCH_CHECK(min_split >= 0 && min_split % 32 == 0, "vllm_pq_backend: min_split must be a multiple of 32 "
+              "(tokens), got ", min_split);
   check_dtype(ws_o, "ws_o", at::kFloat);
   check_dtype(ws_lse, "ws_lse", at::kFloat);
   TORCH_CHECK(ws_o.device() == dev && ws_lse.device() == dev && ws_o.is_contiguous() && ws_lse.is_contiguous() &&
@@ -209,6 +211,7 @@ void decode(Tensor out, const Tensor& q, const Tensor& kv_cache, const Tensor& b
   a.m_k = static_cast<int>(m_k);
   a.m_v = static_cast<int>(m_v);
   a.num_splits = static_cast<int>(num_splits);
+  a.min_split = static_cast<int>(min_split);
   a.num_ctas = static_cast<int>(num_ctas);
   a.scale = static_cast<float>(scale);
   a.lut = lut;
@@ -266,7 +269,7 @@ TORCH_LIBRARY(pq_backend, m) {
   m.def(
       "decode(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
       "Tensor k_cb, Tensor v_cb, Tensor(d!) win_k, Tensor(e!) win_v, Tensor rows, Tensor new_k, "
-      "Tensor new_v, int window, int sliding_window, int num_splits, int num_ctas, float scale, "
+      "Tensor new_v, int window, int sliding_window, int num_splits, int min_split, int num_ctas, float scale, "
       "bool lut, Tensor(b!) ws_o, Tensor(c!) ws_lse, int k_off, int k_tok, int v_off, int v_sub, "
       "int nan_code) -> ()");
 }

@@ -22,8 +22,9 @@
 // * Output dims are permuted back at the end: tile (q, u) rows r / r+8 are dims
 //   (8q + r) * D/M + 2u + {0, 1}.
 // Scores go through exp2 with scale*log2(e); partial results are normalized with their
-// log2-sum-exp and merged by reduce_kernel. The last split also reads the full-precision
-// window store (its own CTAs would each reserve the codebooks' shared memory for nothing).
+// log2-sum-exp and merged by reduce_kernel. The last split with codes also reads the
+// full-precision window store (its own CTAs would each reserve the codebooks' shared memory
+// for nothing).
 #pragma once
 
 #include <math_constants.h>
@@ -253,25 +254,32 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
 
   for (int item = blockIdx.x; item < a.num_reqs * slots; item += gridDim.x) {
     const int req = item / slots, slot = item % slots;
-    // Which keys this item reads: codes [lo, n_codes) split evenly in 32-token multiples,
-    // and in the last split also the window [max(n_codes, lo), L) (layout.window_start
-    // of the query at L - 1), where lo = L - sliding_window on sliding-window layers (else
-    // 0). Pages wholly before lo are never touched: vLLM frees them, and the block table
-    // may still name their old blocks.
+    // Which keys this item reads: codes [lo, n_codes) in splits of `per` tokens, and in
+    // the last split with codes (the first if none) also the window [max(n_codes, lo), L)
+    // (layout.window_start of the query at L - 1), where lo = L - sliding_window on
+    // sliding-window layers (else 0). Pages wholly before lo are never touched: vLLM frees
+    // them, and the block table may still name their old blocks. `per` is at least
+    // min_split, a whole number of the warps' 32-token rounds once the codes need every
+    // slot, and depends on L and the engine's slot count alone: a request's result is the
+    // same in any batch.
     const int len = a.seq_lens[req];
     const int n_codes = a.window > 0 ? ((len - 1) / a.window) * a.window : len;
     const int lo = a.sliding_window > 0 ? max(0, len - a.sliding_window) : 0;
     int t_begin = 0, t_end = 0, w_begin = 0, w_end = 0;
     if (len > 0) {
+      int used = 1;  // splits with codes (at least the window's)
       if (n_codes > lo) {
         const int first = (lo / kChunk) * kChunk;  // splits stay 32-token aligned
-        const int per = ceil_div(ceil_div(n_codes - first, a.num_splits), kChunk) * kChunk;
+        const int even = ceil_div(n_codes - first, a.num_splits);
+        const int round = a.min_split > 0 ? C::kWarps * kChunk : kChunk;
+        const int per = max(a.min_split, ceil_div(even, round) * round);
+        used = ceil_div(n_codes - first, per);
         t_begin = min(first + slot * per, n_codes), t_end = min(t_begin + per, n_codes);
         t_begin = max(t_begin, lo);
       }
       // (a window row outside the store, which the builder never gives, is not touched)
       const int wrow = a.window > 0 ? a.rows[req] : -1;
-      if (wrow >= 0 && wrow < a.win_rows && slot == a.num_splits - 1) w_begin = max(n_codes, lo), w_end = len;
+      if (wrow >= 0 && wrow < a.win_rows && slot == used - 1) w_begin = max(n_codes, lo), w_end = len;
     }
     const bool has_codes = t_begin < t_end, has_win = w_begin < w_end;
     float* lse_out = a.ws_lse + ((int64_t)req * a.num_heads + h0) * slots + slot;

@@ -96,14 +96,15 @@ def bench_pq(batch, ctx, ms, gen, hq=HQ, hkv=HKV, lut=False, per_item=False):
     out = torch.empty_like(q)
     seq = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    splits = ops.num_splits_for(batch, hkv, sms)
+    splits = ops.split_slots(ctx)  # an engine whose max_model_len is this context
     ctas = 0 if per_item else ops.num_ctas_for(hkv, sms)
     ws_o = torch.empty(batch * hq * splits * D, device="cuda")
     ws_lse = torch.empty(batch * hq * splits, device="cuda")
 
     def run(i):
         torch.ops.pq_backend.decode(out, q, cache, tables[i], seq, cb[0], cb[1], win[0], win[1],
-                                    rows, new_kv[0], new_kv[1], WINDOW, 0, splits, ctas, D**-0.5,
+                                    rows, new_kv[0], new_kv[1], WINDOW, 0, splits, ops.MIN_SPLIT_TOKENS, ctas,
+                                    D**-0.5,
                                     lut, ws_o, ws_lse,
                                     *lay.kernel_args())
 

@@ -56,9 +56,9 @@ def paged_case(lens, *, d, m, g, hkv, block, dtype, window, seed, lut=False, m_v
     return case
 
 
-def run_kernel(c, splits, ctas=0):
+def run_kernel(c, splits, ctas=0, min_split=0):
     """``ctas`` CTAs per KV-head group taking the (request, split) items in turn; 0: a CTA
-    per item."""
+    per item. ``min_split`` 0: the codes split evenly over ``splits``."""
     r, hq, d = c["q"].shape
     out = torch.full_like(c["q"], float("nan"))
     ws_o = torch.full((r * hq * splits * d,), float("nan"), device=DEV)
@@ -67,7 +67,8 @@ def run_kernel(c, splits, ctas=0):
     torch.ops.pq_backend.decode(
         out, c["q"], c["cache"], c["table"], c["seq"], c["k_cb"], c["v_cb"], c["win_k"],
         c["win_v"], c["rows"], c.get("new_k", empty), c.get("new_v", empty), c["window"],
-        c["sliding"], splits, ctas, c["scale"], c["lut"], ws_o, ws_lse, *c["lay"].kernel_args(),
+        c["sliding"], splits, min_split, ctas, c["scale"], c["lut"], ws_o, ws_lse,
+        *c["lay"].kernel_args(),
     )
     return out
 
@@ -89,8 +90,8 @@ def row_errors(out, ref):
     return ((out.float() - ref).norm(dim=-1) / ref.norm(dim=-1)).flatten()
 
 
-def check(c, splits, tol, ctas=0):
-    out = run_kernel(c, splits, ctas)
+def check(c, splits, tol, ctas=0, min_split=0):
+    out = run_kernel(c, splits, ctas, min_split)
     ref = run_reference(c)
     assert not torch.isnan(out).any(), "unwritten (NaN) output"
     err = row_errors(out, ref)
@@ -287,6 +288,26 @@ def test_decode_128k_context():
     check(c, splits=16, tol=TOL[torch.bfloat16])
 
 
+
+@pytest.mark.parametrize("window,sliding", [(0, 0), (128, 0), (128, 1000)])
+def test_decode_result_depends_on_the_request_alone(window, sliding):
+    """With the engine's split slots and min_split, a request decodes bitwise alike alone
+    and beside others, whatever CTAs take its items; the window goes to its last split
+    with codes. (Slots that followed the batch, as before, change a request's numerics.)"""
+    lens = [3000, 700, 9000, 64, 129]
+    c = paged_case(lens, d=128, m=64, g=4, hkv=2, block=128, dtype=torch.bfloat16,
+                   window=window, seed=21, sliding=sliding)
+    check(c, splits=16, tol=TOL[torch.bfloat16], ctas=3, min_split=512)
+    full = run_kernel(c, splits=16, ctas=3, min_split=512)
+    assert torch.equal(full, run_kernel(c, splits=16, ctas=7, min_split=512))
+    for i in range(len(lens)):
+        one = {**c, "q": c["q"][i : i + 1], "table": c["table"][i : i + 1],
+               "seq": c["seq"][i : i + 1], "rows": c["rows"][i : i + 1]}
+        assert torch.equal(full[i : i + 1], run_kernel(one, splits=16, ctas=2, min_split=512)), i
+    # what a per-batch split count did: 16 slots for a small batch, 1 for a large one
+    assert not torch.equal(run_kernel(c, splits=16)[2], run_kernel(c, splits=1)[2])
+
+
 def test_decode_replays_in_a_cuda_graph():
     """Captured once, replayed for other contexts: the grid depends on the batch only."""
     c = paged_case([4000, 3000, 77], d=128, m=32, g=4, hkv=2, block=128, dtype=torch.bfloat16,
@@ -297,7 +318,7 @@ def test_decode_replays_in_a_cuda_graph():
     ws_lse = torch.empty(r * hq * 5, device=DEV)
     empty = c["q"].new_empty(0)
     args = lambda: (out, c["q"], c["cache"], c["table"], c["seq"], c["k_cb"], c["v_cb"],  # noqa: E731
-                    c["win_k"], c["win_v"], c["rows"], empty, empty, 128, 0, 4, 3, c["scale"],
+                    c["win_k"], c["win_v"], c["rows"], empty, empty, 128, 0, 4, 0, 3, c["scale"],
                     False, ws_o, ws_lse, *c["lay"].kernel_args())
     torch.ops.pq_backend.decode(*args())  # warm up outside the capture
     graph = torch.cuda.CUDAGraph()
@@ -424,7 +445,7 @@ def _decode_args(c, **over):
     args = dict(out=torch.empty_like(c["q"]), q=c["q"], cache=c["cache"], table=c["table"],
                 seq=c["seq"], k_cb=c["k_cb"], v_cb=c["v_cb"], win_k=c["win_k"], win_v=c["win_v"],
                 rows=c["rows"], new_k=empty, new_v=empty, window=c["window"], sliding=0, splits=2,
-                ctas=0, scale=c["scale"], lut=False,
+                min_split=0, ctas=0, scale=c["scale"], lut=False,
                 ws_o=torch.empty(r * hq * 3 * d, device=DEV), ws_lse=torch.empty(r * hq * 3, device=DEV))
     args.update(over)
     return list(args.values()) + list(c["lay"].kernel_args())

@@ -55,13 +55,18 @@ class LayerState:
             self.win_k = torch.zeros(shape, dtype=dtype, device=device)
             self.win_v = torch.zeros(shape, dtype=dtype, device=device)
         self.hq, self.d, self.device = impl.num_heads, impl.head_size, device
-        # The profiling run's peak must include a prefill group's transient pages, so that
-        # vLLM leaves room for them when it sizes the KV cache.
+        # The profiling run's peak must include a prefill group's transient pages and the
+        # decode kernel's split results (which the metadata builder allocates after vLLM
+        # sized the KV cache), so that vLLM leaves room for them.
         pages = prefill_page_tokens(impl.max_model_len, impl.block_size)
         self.prefill_scratch = ops.prefill_scratch_bytes(pages, impl.num_kv_heads, self.d,
                                                          self.layout, envs.VLLM_BATCH_INVARIANT)
-        if torch.device(device).type == "cuda":
-            torch.empty(self.prefill_scratch, dtype=torch.uint8, device=device)  # freed at once: the peak counts
+        self.decode_workspace = 4 * ops.decode_workspace_floats(
+            ops.decode_rows(impl._vllm_config), impl.num_heads, self.d,
+            ops.split_slots(impl.max_model_len))
+        if torch.device(device).type == "cuda":  # freed at once: the peak counts
+            torch.empty(self.prefill_scratch + self.decode_workspace, dtype=torch.uint8,
+                        device=device)
 
     def map(self, *items: tuple[str, torch.Tensor], inplace: bool = False) -> list[torch.Tensor]:
         """Each ``(which, x [n, heads, d])`` through the codebooks' ``which`` map (identity
@@ -275,10 +280,11 @@ def _log_memory(impl: PQAttentionImpl, st: LayerState) -> None:
     logger.info(
         "vllm_pq_backend: %s, %s, block %d, window %d, %d layers. KV pages: %d B/token "
         "(dense %s: %d B/token, %.1fx less). %s Codebooks: %.1f MiB. Prefill pages "
-        "(transient, one layer): %.1f MiB.",
+        "(transient, one layer): %.1f MiB. Decode split results: %.1f MiB.",
         codebooks.describe_m(impl.head_size, st.layout.m_k, st.layout.m_v),
         f"CUDA kernels ({kernels.load()})" if ops.use_kernels(st.k_cb)
         else "PyTorch reference path (slow)",
         impl.block_size, st.window, layers, per_token, st.k_cb.dtype,
         dense, dense / per_token, window, books / 2**20, st.prefill_scratch / 2**20,
+        st.decode_workspace / 2**20,
     )

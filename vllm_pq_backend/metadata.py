@@ -331,13 +331,14 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
         )
         group = max(1, q_heads // kv_heads)
         self.ctas_per_split = kv_heads * -(-group // MAX_QUERY_HEADS_PER_CTA)
+        self.num_splits = ops.split_slots(vllm_config.model_config.max_model_len
+                                          if vllm_config.model_config else ops.MIN_SPLIT_TOKENS)
         self.codes_shape = CodesShape(group, kv_cache_spec.head_size, kv_heads, self.num_sms)
         self.ws_o = self.ws_lse = None
         if dev.type == "cuda":
-            # CUDA graphs pad decode batches up to a capture size, which can pass max_num_seqs
-            sizes = vllm_config.compilation_config.cudagraph_capture_sizes or []
-            slots = ops.workspace_slots(max([sched.max_num_seqs, *sizes]),
-                                        self.ctas_per_split, self.num_sms, q_heads)
+            # (LayerState reserves these bytes in the profiling run: vLLM sizes the KV cache
+            # before it builds this)
+            slots = ops.decode_rows(vllm_config) * q_heads * self.num_splits
             self.ws_o = torch.empty(slots * kv_cache_spec.head_size, dtype=torch.float32,
                                     device=dev)
             self.ws_lse = torch.empty(slots, dtype=torch.float32, device=dev)
@@ -419,7 +420,7 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
             slot_mapping=cam.slot_mapping,
             req_rows=self.req_rows[:n],
             req_rows_cpu=rows_cpu,
-            num_splits=ops.num_splits_for(nd, self.ctas_per_split, self.num_sms),
+            num_splits=self.num_splits,
             num_ctas=ops.num_ctas_for(self.ctas_per_split, self.num_sms),
             prefills=prefills,
             batch_invariant=self.batch_invariant,

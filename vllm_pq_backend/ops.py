@@ -11,7 +11,11 @@ import torch
 from . import codes_attention, kernels, reference
 from .layout import PageLayout
 
-MAX_SPLITS = 16  # splits of the codes per (request, KV head); the last reads the window too
+MAX_SPLITS = 16  # splits of the codes per (request, KV head); the last one also reads the window
+# Shortest split (tokens; a multiple of 32): 1K contexts take 2 splits in any batch (what
+# 64 requests took when the count followed the batch), 32K ones 15 of 2304 tokens (longer
+# splits are whole rounds of the kernel's warps).
+MIN_SPLIT_TOKENS = 512
 
 
 @functools.cache
@@ -65,35 +69,35 @@ def lut_scores(num_heads: int, num_kv_heads: int, head_dim: int, m_k: int) -> bo
     return num_heads == num_kv_heads and head_dim // m_k >= 4
 
 
-def workspace_slots(max_decodes: int, ctas_per_split: int, num_sms: int, q_heads: int) -> int:
-    """Split-result slots (per head dim) the decode kernel needs at most for up to
-    ``max_decodes`` requests: n * q_heads * splits(n), largest over n (splits fall as
-    batches grow, so this is far below max_decodes * MAX_SPLITS)."""
-    return max(n * q_heads * num_splits_for(n, ctas_per_split, num_sms)
-               for n in range(1, max_decodes + 1))
+def split_slots(max_model_len: int) -> int:
+    """Split slots per (request, KV-head group) of the decode kernel, fixed per engine:
+    enough for ``max_model_len`` in splits of at least MIN_SPLIT_TOKENS, at most MAX_SPLITS.
+    The kernel sizes the splits from each request's length alone (``min_split``), so a
+    request's result does not depend on the batch it decodes in: a split count chosen per
+    batch made greedy outputs differ from the same request run alone."""
+    return max(1, min(MAX_SPLITS, -(-max_model_len // MIN_SPLIT_TOKENS)))
+
+
+def decode_rows(vllm_config) -> int:
+    """Most rows one decode step can pass the kernel: vLLM's admission limit, or the CUDA
+    graph capture size a batch that large is padded to."""
+    sched = vllm_config.scheduler_config
+    cap = sched.max_num_active_seqs or sched.max_num_seqs
+    sizes = vllm_config.compilation_config.cudagraph_capture_sizes or []
+    return min([s for s in sizes if s >= cap], default=cap)
+
+
+def decode_workspace_floats(rows: int, q_heads: int, head_dim: int, slots: int) -> int:
+    """fp32 values of the decode kernel's split results: an output row and a log-sum-exp
+    per (row, query head, split slot)."""
+    return rows * q_heads * slots * (head_dim + 1)
 
 
 def num_ctas_for(ctas_per_split: int, num_sms: int) -> int:
     """Decode kernel CTAs per KV-head group: one wave of the GPU (a CTA per SM, as the
     codebooks fill its shared memory), each taking its (request, split) items in turn and
-    loading the codebooks once rather than once per item."""
+    loading the codebooks once rather than once per item; empty items exit at once."""
     return max(1, num_sms // max(1, ctas_per_split))
-
-
-def num_splits_for(num_decodes: int, ctas_per_split: int, num_sms: int) -> int:
-    """Codes splits per (request, KV head group), from the batch alone (so a CUDA graph
-    captured for a batch size is right for any context; empty splits exit early).
-
-    The kernel runs one CTA per SM (its codebooks fill shared memory), so pick the split
-    count whose CTAs fill whole waves best, the fewest on ties (each split reloads the
-    codebooks): 8 (request, head) pairs on 132 SMs -> 16 splits, 64 -> 2, 256 -> 1."""
-    pairs = max(1, num_decodes * ctas_per_split)
-
-    def fill(s: int) -> float:
-        ctas = pairs * s
-        return ctas / (-(-ctas // num_sms) * num_sms)
-
-    return max(range(1, MAX_SPLITS + 1), key=lambda s: (round(fill(s), 1), -s))
 
 
 # --------------------------------------------------------------------------- store
@@ -132,7 +136,7 @@ def decode(out, query, key, value, kv_cache, md, state, scale: float) -> None:
             state.win_k if w > 0 else empty(), state.win_v if w > 0 else empty(),
             md.req_rows[:nd] if w > 0 else md.seq_lens.new_empty(0),
             key[:nd] if w > 0 else empty(), value[:nd] if w > 0 else empty(),
-            w, state.sliding_window, md.num_splits, md.num_ctas, scale,
+            w, state.sliding_window, md.num_splits, MIN_SPLIT_TOKENS, md.num_ctas, scale,
             lut_scores(hq, state.k_cb.shape[0], state.d, state.layout.m_k),
             ws_o, ws_lse, *state.layout.kernel_args(),
         )

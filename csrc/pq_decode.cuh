@@ -229,6 +229,33 @@ struct DecodeCta {
   }
 };
 
+// Where a request's keys go (`round`: the warps' 32-token round, C::kWarps * kChunk).
+// Codes [lo, n_codes) in `used` splits of `per` tokens from `first`, and the window
+// [max(n_codes, lo), L) (layout.window_start of the query at L - 1) in split used - 1,
+// where lo = L - sliding_window on sliding-window layers (else 0). Pages wholly before lo
+// are never touched: vLLM frees them, and the block table may still name their old blocks.
+// `per` is at least min_split, a whole number of rounds once the codes need every slot,
+// and depends on L and the engine's slot count alone: a request's result is the same in
+// any batch.
+struct SplitPlan {
+  int n_codes, lo, first, per, used;
+};
+
+__device__ __forceinline__ SplitPlan split_plan(const DecodeArgs& a, int len, int round) {
+  SplitPlan p;
+  p.n_codes = a.window > 0 ? ((max(len, 1) - 1) / a.window) * a.window : len;
+  p.lo = a.sliding_window > 0 ? max(0, len - a.sliding_window) : 0;
+  p.first = (p.lo / kChunk) * kChunk;  // splits stay 32-token aligned
+  p.per = kChunk, p.used = 1;          // (no codes: the window's split only)
+  if (p.n_codes > p.lo) {
+    const int even = ceil_div(p.n_codes - p.first, a.num_splits);
+    const int step = a.min_split > 0 ? round : kChunk;
+    p.per = max(a.min_split, ceil_div(even, step) * step);
+    p.used = ceil_div(p.n_codes - p.first, p.per);
+  }
+  return p;
+}
+
 template <typename T, int D, int MK, int MV, bool LUT>
 __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_kernel(DecodeArgs a) {
   using C = DecodeCfg<T, D, MK, MV>;
@@ -252,37 +279,40 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
         .template load_books<LUT>();
   }
 
-  for (int item = blockIdx.x; item < a.num_reqs * slots; item += gridDim.x) {
-    const int req = item / slots, slot = item % slots;
-    // Which keys this item reads: codes [lo, n_codes) in splits of `per` tokens, and in
-    // the last split with codes (the first if none) also the window [max(n_codes, lo), L)
-    // (layout.window_start of the query at L - 1), where lo = L - sliding_window on
-    // sliding-window layers (else 0). Pages wholly before lo are never touched: vLLM frees
-    // them, and the block table may still name their old blocks. `per` is at least
-    // min_split, a whole number of the warps' 32-token rounds once the codes need every
-    // slot, and depends on L and the engine's slot count alone: a request's result is the
-    // same in any batch.
+  // Items (request, split) split-major, up to the batch's most splits with work: a request
+  // of a 1K context in an engine of 16 slots has 2, and the other 14 are not visited
+  // (split 0 of each request marks them empty for reduce_kernel).
+  __shared__ int most_used;
+  if (threadIdx.x == 0) most_used = 1;
+  __syncthreads();
+  {
+    int mine = 1;
+    for (int i = threadIdx.x; i < a.num_reqs; i += C::kThreads)
+      mine = max(mine, split_plan(a, a.seq_lens[i], C::kWarps * kChunk).used);
+    atomicMax(&most_used, mine);
+  }
+  __syncthreads();
+  for (int item = blockIdx.x; item < a.num_reqs * most_used; item += gridDim.x) {
+    const int req = item % a.num_reqs, slot = item / a.num_reqs;
     const int len = a.seq_lens[req];
-    const int n_codes = a.window > 0 ? ((len - 1) / a.window) * a.window : len;
-    const int lo = a.sliding_window > 0 ? max(0, len - a.sliding_window) : 0;
+    const SplitPlan plan = split_plan(a, len, C::kWarps * kChunk);
+    const int n_codes = plan.n_codes, lo = plan.lo;
     int t_begin = 0, t_end = 0, w_begin = 0, w_end = 0;
     if (len > 0) {
-      int used = 1;  // splits with codes (at least the window's)
       if (n_codes > lo) {
-        const int first = (lo / kChunk) * kChunk;  // splits stay 32-token aligned
-        const int even = ceil_div(n_codes - first, a.num_splits);
-        const int round = a.min_split > 0 ? C::kWarps * kChunk : kChunk;
-        const int per = max(a.min_split, ceil_div(even, round) * round);
-        used = ceil_div(n_codes - first, per);
-        t_begin = min(first + slot * per, n_codes), t_end = min(t_begin + per, n_codes);
+        t_begin = min(plan.first + slot * plan.per, n_codes), t_end = min(t_begin + plan.per, n_codes);
         t_begin = max(t_begin, lo);
       }
       // (a window row outside the store, which the builder never gives, is not touched)
       const int wrow = a.window > 0 ? a.rows[req] : -1;
-      if (wrow >= 0 && wrow < a.win_rows && slot == used - 1) w_begin = max(n_codes, lo), w_end = len;
+      if (wrow >= 0 && wrow < a.win_rows && slot == plan.used - 1) w_begin = max(n_codes, lo), w_end = len;
+    }
+    float* lse_out = a.ws_lse + ((int64_t)req * a.num_heads + h0) * slots + slot;
+    if (slot == 0) {  // the splits without work, visited or not, are empty
+      for (int i = threadIdx.x; i < nh * (slots - plan.used); i += C::kThreads)
+        lse_out[(i / (slots - plan.used)) * slots + plan.used + i % (slots - plan.used)] = -CUDART_INF_F;
     }
     const bool has_codes = t_begin < t_end, has_win = w_begin < w_end;
-    float* lse_out = a.ws_lse + ((int64_t)req * a.num_heads + h0) * slots + slot;
     if (!has_codes && !has_win) {
       if (threadIdx.x < nh) lse_out[threadIdx.x * slots] = -CUDART_INF_F;
       continue;

@@ -74,7 +74,7 @@ def copies_for(nbytes: int) -> int:
     return max(1, min(8, math.ceil(L2_FLUSH / max(nbytes, 1))))
 
 
-def bench_pq(batch, ctx, ms, gen, hq=HQ, hkv=HKV, lut=False, per_item=False):
+def bench_pq(batch, ctx, ms, gen, hq=HQ, hkv=HKV, lut=False, per_item=False, max_len=None):
     """``ms``: (Mk, Mv), K and V subspaces per head; ``per_item``: a CTA per (request,
     split) item instead of the backend's CTAs that take items in turn."""
     from vllm_pq_backend import ops
@@ -96,7 +96,7 @@ def bench_pq(batch, ctx, ms, gen, hq=HQ, hkv=HKV, lut=False, per_item=False):
     out = torch.empty_like(q)
     seq = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    splits = ops.split_slots(ctx)  # an engine whose max_model_len is this context
+    splits = ops.split_slots(max_len or ctx)  # the slots of an engine of that max_model_len
     ctas = 0 if per_item else ops.num_ctas_for(hkv, sms)
     ws_o = torch.empty(batch * hq * splits * D, device="cuda")
     ws_lse = torch.empty(batch * hq * splits, device="cuda")
@@ -201,6 +201,8 @@ def main() -> int:
     p.add_argument("--g-sweep", action="store_true", help="MMA vs LUT scores at g = 1, 4, 8")
     p.add_argument("--per-item", action="store_true",
                    help="also time CUSTOM with a CTA per (request, split) item (custom_per_item_us)")
+    p.add_argument("--max-model-len", type=int,
+                   help="split slots of an engine of this max_model_len (default: each context)")
     p.add_argument("--out", default="eval/results/decode_kernel.json")
     args = p.parse_args()
     from vllm_pq_backend.layout import subspaces
@@ -233,8 +235,9 @@ def main() -> int:
             fa128, _ = bench_fa3(batch, ctx, 128, gen, hq, hkv)
             tq, tq_bytes = (nan, 0) if args.no_turboquant else bench_turboquant(batch, ctx, gen, hq, hkv)
             for bits, ms in args.settings:
-                us, must, splits = bench_pq(batch, ctx, ms, gen, hq, hkv)
-                per_item = bench_pq(batch, ctx, ms, gen, hq, hkv, per_item=True)[0] if args.per_item else nan
+                us, must, splits = bench_pq(batch, ctx, ms, gen, hq, hkv, max_len=args.max_model_len)
+                per_item = (bench_pq(batch, ctx, ms, gen, hq, hkv, per_item=True, max_len=args.max_model_len)[0]
+                            if args.per_item else nan)
                 fa = min(fa16, fa128)
                 gbs = must / (us * 1e-6) / 1e9
                 rows.append(dict(

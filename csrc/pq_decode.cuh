@@ -289,7 +289,8 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
     int mine = 1;
     for (int i = threadIdx.x; i < a.num_reqs; i += C::kThreads)
       mine = max(mine, split_plan(a, a.seq_lens[i], C::kWarps * kChunk).used);
-    atomicMax(&most_used, mine);
+    mine = __reduce_max_sync(0xffffffffu, mine);  // then one shared atomic per warp
+    if (lane == 0) atomicMax(&most_used, mine);
   }
   __syncthreads();
   for (int item = blockIdx.x; item < a.num_reqs * most_used; item += gridDim.x) {

@@ -96,7 +96,7 @@ def decode_workspace_floats(rows: int, q_heads: int, head_dim: int, slots: int) 
 def num_ctas_for(ctas_per_split: int, num_sms: int) -> int:
     """Decode kernel CTAs per KV-head group: one wave of the GPU (a CTA per SM, as the
     codebooks fill its shared memory), each taking its (request, split) items in turn and
-    loading the codebooks once rather than once per item; empty items exit at once."""
+    loading the codebooks once rather than once per item."""
     return max(1, num_sms // max(1, ctas_per_split))
 
 

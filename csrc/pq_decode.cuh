@@ -234,9 +234,8 @@ struct DecodeCta {
 // [max(n_codes, lo), L) (layout.window_start of the query at L - 1) in split used - 1,
 // where lo = L - sliding_window on sliding-window layers (else 0). Pages wholly before lo
 // are never touched: vLLM frees them, and the block table may still name their old blocks.
-// `per` is at least min_split, a whole number of rounds once the codes need every slot,
-// and depends on L and the engine's slot count alone: a request's result is the same in
-// any batch.
+// `per` is at least min_split and, when min_split is set, a whole number of rounds: a
+// request with at most min_split codes has one split whatever num_splits is.
 struct SplitPlan {
   int n_codes, lo, first, per, used;
 };
@@ -279,8 +278,8 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
         .template load_books<LUT>();
   }
 
-  // Items (request, split) split-major, up to the batch's most splits with work: a request
-  // of a 1K context in an engine of 16 slots has 2, and the other 14 are not visited
+  // Items (request, split) split-major, up to the batch's most splits with work: a batch
+  // of short requests given 16 slots has one each, and the other 15 are not visited
   // (split 0 of each request marks them empty for reduce_kernel).
   __shared__ int most_used;
   if (threadIdx.x == 0) most_used = 1;

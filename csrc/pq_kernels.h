@@ -64,12 +64,11 @@ struct DecodeArgs {
   int window;
   int sliding_window;  // > 0: a query at position i reads keys j > i - sliding_window only
   int num_reqs, num_heads, num_kv_heads, head_dim, m_k, m_v;
-  int num_splits;  // split slots per (request, KV head group); the last split with codes
-                   // also reads the window
-  int min_split;   // tokens (a multiple of 32): no split is shorter, so that short contexts
-                   // keep few splits when num_splits is fixed per engine (0: the codes split
-                   // evenly over num_splits). Where a request's splits fall then depends on
-                   // its length alone, not on its batch.
+  int num_splits;  // split slots per (request, KV head group), from the batch; the last
+                   // split with codes also reads the window
+  int min_split;   // tokens (a multiple of 32): no split is shorter, so a request with no more
+                   // codes than this has one split whatever num_splits its batch gets, and
+                   // its result does not depend on the batch (0: the codes split evenly)
   int num_ctas;    // CTAs per KV-head group, each taking every num_ctas-th (request, split)
                    // item; <= 0: one per item
   float scale;

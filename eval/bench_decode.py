@@ -74,9 +74,10 @@ def copies_for(nbytes: int) -> int:
     return max(1, min(8, math.ceil(L2_FLUSH / max(nbytes, 1))))
 
 
-def bench_pq(batch, ctx, ms, gen, hq=HQ, hkv=HKV, lut=False, per_item=False, max_len=None):
+def bench_pq(batch, ctx, ms, gen, hq=HQ, hkv=HKV, lut=False, per_item=False, min_split=None):
     """``ms``: (Mk, Mv), K and V subspaces per head; ``per_item``: a CTA per (request,
-    split) item instead of the backend's CTAs that take items in turn."""
+    split) item instead of the backend's CTAs that take items in turn; ``min_split``: the
+    kernel's shortest split (default the backend's, 0: even splits)."""
     from vllm_pq_backend import ops
     from vllm_pq_backend.layout import PageLayout
 
@@ -96,14 +97,15 @@ def bench_pq(batch, ctx, ms, gen, hq=HQ, hkv=HKV, lut=False, per_item=False, max
     out = torch.empty_like(q)
     seq = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    splits = ops.split_slots(max_len or ctx)  # the slots of an engine of that max_model_len
-    ctas = 0 if per_item else ops.num_ctas_for(hkv, sms)
+    splits = ops.num_splits_for(batch, ops.ctas_per_split(hq, hkv), sms)
+    min_split = ops.MIN_SPLIT_TOKENS if min_split is None else min_split
+    ctas = 0 if per_item else ops.num_ctas_for(ops.ctas_per_split(hq, hkv), sms)
     ws_o = torch.empty(batch * hq * splits * D, device="cuda")
     ws_lse = torch.empty(batch * hq * splits, device="cuda")
 
     def run(i):
         torch.ops.pq_backend.decode(out, q, cache, tables[i], seq, cb[0], cb[1], win[0], win[1],
-                                    rows, new_kv[0], new_kv[1], WINDOW, 0, splits, ops.MIN_SPLIT_TOKENS, ctas,
+                                    rows, new_kv[0], new_kv[1], WINDOW, 0, splits, min_split, ctas,
                                     D**-0.5,
                                     lut, ws_o, ws_lse,
                                     *lay.kernel_args())
@@ -201,10 +203,11 @@ def main() -> int:
     p.add_argument("--g-sweep", action="store_true", help="MMA vs LUT scores at g = 1, 4, 8")
     p.add_argument("--per-item", action="store_true",
                    help="also time CUSTOM with a CTA per (request, split) item (custom_per_item_us)")
-    p.add_argument("--max-model-len", type=int,
-                   help="split slots of an engine of this max_model_len (default: each context)")
+    p.add_argument("--min-split", type=int, default=None,
+                   help="the kernel's shortest split in tokens (default the backend's; 0: even splits)")
     p.add_argument("--out", default="eval/results/decode_kernel.json")
     args = p.parse_args()
+    from vllm_pq_backend import ops
     from vllm_pq_backend.layout import subspaces
 
     args.settings = []
@@ -235,8 +238,8 @@ def main() -> int:
             fa128, _ = bench_fa3(batch, ctx, 128, gen, hq, hkv)
             tq, tq_bytes = (nan, 0) if args.no_turboquant else bench_turboquant(batch, ctx, gen, hq, hkv)
             for bits, ms in args.settings:
-                us, must, splits = bench_pq(batch, ctx, ms, gen, hq, hkv, max_len=args.max_model_len)
-                per_item = (bench_pq(batch, ctx, ms, gen, hq, hkv, per_item=True, max_len=args.max_model_len)[0]
+                us, must, splits = bench_pq(batch, ctx, ms, gen, hq, hkv, min_split=args.min_split)
+                per_item = (bench_pq(batch, ctx, ms, gen, hq, hkv, per_item=True, min_split=args.min_split)[0]
                             if args.per_item else nan)
                 fa = min(fa16, fa128)
                 gbs = must / (us * 1e-6) / 1e9
@@ -248,6 +251,7 @@ def main() -> int:
                     custom_bytes=must, fa3_gbs=round(fa_bytes / (fa * 1e-6) / 1e9, 1),
                     turboquant_gbs=_num(tq_bytes / (tq * 1e-6) / 1e9, 1), copy_gbs=round(copy_gbs, 1),
                     custom_pct_copy=round(100 * gbs / copy_gbs, 1), splits=splits,
+                    min_split=ops.MIN_SPLIT_TOKENS if args.min_split is None else args.min_split,
                     custom_per_item_us=_num(per_item, 2),
                 ))
                 print(f"{ctx:7d} {batch:5d} {bits:>4} | {us:9.1f} {fa16:8.1f}/{fa128:<8.1f} {tq:8.1f} | "

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers import random_codebooks, vllm_config, write_model_config
-from vllm_pq_backend import codebooks, ops
+from vllm_pq_backend import codebooks
 from vllm_pq_backend.config import PQConfig
 
 GOOD = dict(
@@ -245,16 +245,6 @@ def test_builder_on_common_metadata(model_factory):
     assert p.code_len.tolist() == [32, 64] and p.code_rows.tolist() == list(range(12, 50))
     assert p.win_pos.tolist() == list(range(64, 70)) and p.win_rows.tolist() == [9] * 6
     assert not md.batch_invariant
-    # the decode kernel's split slots are the engine's (max_model_len 2048: 4), whatever the
-    # batch: a step with one decode gets as many (they followed the batch before, and a
-    # request's numerics with them)
-    assert md.num_splits == ops.split_slots(2048) == 4
-    one = torch.tensor([0, 1], dtype=torch.int32)
-    md1 = builder.build(0, CommonAttentionMetadata(
-        query_start_loc=one, query_start_loc_cpu=one, seq_lens=seq[:1], num_reqs=1,
-        num_actual_tokens=1, max_query_len=1, max_seq_len=40, block_table_tensor=table[:1],
-        slot_mapping=torch.arange(1), seq_lens_cpu_upper_bound=seq[:1], req_idx=np.array([11])))
-    assert (md1.num_decodes, md1.num_splits) == (1, md.num_splits)
     with pytest.raises(RuntimeError, match="model runner V2"):
         builder.build(0, cam.replace(req_idx=None))
     # VLLM_BATCH_INVARIANT=1: the decodes join the prefill path, FlashAttention unsplit

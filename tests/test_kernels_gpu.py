@@ -290,22 +290,34 @@ def test_decode_128k_context():
 
 
 @pytest.mark.parametrize("window,sliding", [(0, 0), (128, 0), (128, 1000)])
-def test_decode_result_depends_on_the_request_alone(window, sliding):
-    """With the engine's split slots and min_split, a request decodes bitwise alike alone
-    and beside others, whatever CTAs take its items; the window goes to its last split
-    with codes. (Slots that followed the batch, as before, change a request's numerics.)"""
-    lens = [3000, 700, 9000, 64, 129]
+def test_decode_short_requests_do_not_depend_on_the_batch(window, sliding):
+    """A request whose codes fit in min_split tokens decodes bitwise alike alone (16
+    splits, what a batch of one gets) and beside others (1 or 2 splits), whatever CTAs take
+    its items; longer ones keep even splits at least min_split long, with the window in
+    their last split with codes."""
+    lens = [3000, 200, 9000, 64, 129, 257, 384]
     c = paged_case(lens, d=128, m=64, g=4, hkv=2, block=128, dtype=torch.bfloat16,
                    window=window, seed=21, sliding=sliding)
-    check(c, splits=16, tol=TOL[torch.bfloat16], ctas=3, min_split=512)
-    full = run_kernel(c, splits=16, ctas=3, min_split=512)
-    assert torch.equal(full, run_kernel(c, splits=16, ctas=7, min_split=512))
-    for i in range(len(lens)):
+    for splits in (1, 2, 16):
+        check(c, splits=splits, tol=TOL[torch.bfloat16], ctas=3, min_split=256)
+    batch = {s: run_kernel(c, splits=s, ctas=3, min_split=256) for s in (1, 2)}
+    assert torch.equal(batch[2], run_kernel(c, splits=2, ctas=7, min_split=256))
+    short = 0
+    for i, n in enumerate(lens):
+        n_codes = (n - 1) // window * window if window else n
+        codes = n_codes - max(0, n - sliding) // 32 * 32 if sliding else n_codes
+        if codes > 256:
+            continue
+        short += 1
         one = {**c, "q": c["q"][i : i + 1], "table": c["table"][i : i + 1],
                "seq": c["seq"][i : i + 1], "rows": c["rows"][i : i + 1]}
-        assert torch.equal(full[i : i + 1], run_kernel(one, splits=16, ctas=2, min_split=512)), i
-    # what a per-batch split count did: 16 slots for a small batch, 1 for a large one
-    assert not torch.equal(run_kernel(c, splits=16)[2], run_kernel(c, splits=1)[2])
+        alone = run_kernel(one, splits=16, ctas=2, min_split=256)
+        for s, out in batch.items():
+            assert torch.equal(alone, out[i : i + 1]), (i, s)
+    assert short >= 3
+    # without the floor a short request's splits follow the batch, and so do its numerics
+    i = lens.index(384) if window == 0 else lens.index(257)
+    assert not torch.equal(run_kernel(c, splits=16)[i], run_kernel(c, splits=1)[i])
 
 
 def test_decode_replays_in_a_cuda_graph():

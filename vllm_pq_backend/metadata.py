@@ -23,7 +23,6 @@ from .config import PQConfig
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler, see __init__
 
-MAX_QUERY_HEADS_PER_CTA = 8  # the decode kernel's MMA covers 8 query heads
 MIN_PREFILL_PAGE_TOKENS = 65536
 
 
@@ -330,15 +329,14 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
             else kv_heads
         )
         group = max(1, q_heads // kv_heads)
-        self.ctas_per_split = kv_heads * -(-group // MAX_QUERY_HEADS_PER_CTA)
-        self.num_splits = ops.split_slots(vllm_config.model_config.max_model_len
-                                          if vllm_config.model_config else ops.MIN_SPLIT_TOKENS)
+        self.ctas_per_split = ops.ctas_per_split(q_heads, kv_heads)
         self.codes_shape = CodesShape(group, kv_cache_spec.head_size, kv_heads, self.num_sms)
         self.ws_o = self.ws_lse = None
         if dev.type == "cuda":
             # (LayerState reserves these bytes in the profiling run: vLLM sizes the KV cache
             # before it builds this)
-            slots = ops.decode_rows(vllm_config) * q_heads * self.num_splits
+            slots = ops.workspace_slots(ops.decode_rows(vllm_config), q_heads, kv_heads,
+                                        self.num_sms)
             self.ws_o = torch.empty(slots * kv_cache_spec.head_size, dtype=torch.float32,
                                     device=dev)
             self.ws_lse = torch.empty(slots, dtype=torch.float32, device=dev)
@@ -420,7 +418,7 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
             slot_mapping=cam.slot_mapping,
             req_rows=self.req_rows[:n],
             req_rows_cpu=rows_cpu,
-            num_splits=self.num_splits,
+            num_splits=ops.num_splits_for(nd, self.ctas_per_split, self.num_sms),
             num_ctas=ops.num_ctas_for(self.ctas_per_split, self.num_sms),
             prefills=prefills,
             batch_invariant=self.batch_invariant,

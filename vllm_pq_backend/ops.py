@@ -12,10 +12,12 @@ from . import codes_attention, kernels, reference
 from .layout import PageLayout
 
 MAX_SPLITS = 16  # splits of the codes per (request, KV head); the last one also reads the window
-# Shortest split (tokens; a multiple of 32): 1K contexts take 2 splits in any batch (what
-# 64 requests took when the count followed the batch), 32K ones 15 of 2304 tokens (longer
-# splits are whole rounds of the kernel's warps).
-MIN_SPLIT_TOKENS = 512
+# A request whose codes fit in this many tokens (a multiple of 32) is never split, whatever
+# its batch: its result is the same alone and under load, as FlashAttention's is for short
+# contexts. Longer ones split by the batch, as FA3's do: few long requests need the splits
+# to fill the GPU, many would only pay each split's fixed cost.
+MIN_SPLIT_TOKENS = 256
+MAX_QUERY_HEADS_PER_CTA = 8  # the decode kernel's MMA covers 8 query heads
 
 
 @functools.cache
@@ -69,13 +71,35 @@ def lut_scores(num_heads: int, num_kv_heads: int, head_dim: int, m_k: int) -> bo
     return num_heads == num_kv_heads and head_dim // m_k >= 4
 
 
-def split_slots(max_model_len: int) -> int:
-    """Split slots per (request, KV-head group) of the decode kernel, fixed per engine:
-    enough for ``max_model_len`` in splits of at least MIN_SPLIT_TOKENS, at most MAX_SPLITS.
-    The kernel sizes the splits from each request's length alone (``min_split``), so a
-    request's result does not depend on the batch it decodes in: a split count chosen per
-    batch made greedy outputs differ from the same request run alone."""
-    return max(1, min(MAX_SPLITS, -(-max_model_len // MIN_SPLIT_TOKENS)))
+def num_splits_for(num_decodes: int, ctas_per_split: int, num_sms: int) -> int:
+    """Codes splits per (request, KV head group), from the batch alone (so a CUDA graph
+    captured for a batch size is right for any context; empty splits exit early).
+
+    The kernel runs one CTA per SM (its codebooks fill shared memory), so pick the split
+    count whose CTAs fill whole waves best, the fewest on ties (each split reloads the
+    codebooks): 8 (request, head) pairs on 132 SMs -> 16 splits, 64 -> 2, 256 -> 1. The
+    kernel keeps splits at least MIN_SPLIT_TOKENS long."""
+    pairs = max(1, num_decodes * ctas_per_split)
+
+    def fill(s: int) -> float:
+        ctas = pairs * s
+        return ctas / (-(-ctas // num_sms) * num_sms)
+
+    return max(range(1, MAX_SPLITS + 1), key=lambda s: (round(fill(s), 1), -s))
+
+
+def ctas_per_split(q_heads: int, kv_heads: int) -> int:
+    """Decode kernel CTAs per (request, split): one per KV head and 8 of its query heads
+    (the MMA's width)."""
+    return kv_heads * -(-max(1, q_heads // kv_heads) // MAX_QUERY_HEADS_PER_CTA)
+
+
+def workspace_slots(max_decodes: int, q_heads: int, kv_heads: int, num_sms: int) -> int:
+    """Split-result slots (head_dim + 1 floats each) the decode kernel needs at most for
+    up to ``max_decodes`` requests: n * q_heads * splits(n), largest over n (splits fall as
+    batches grow, so this is far below max_decodes * MAX_SPLITS)."""
+    ctas = ctas_per_split(q_heads, kv_heads)
+    return max(n * q_heads * num_splits_for(n, ctas, num_sms) for n in range(1, max_decodes + 1))
 
 
 def decode_rows(vllm_config) -> int:
@@ -85,12 +109,6 @@ def decode_rows(vllm_config) -> int:
     cap = sched.max_num_active_seqs or sched.max_num_seqs
     sizes = vllm_config.compilation_config.cudagraph_capture_sizes or []
     return min([s for s in sizes if s >= cap], default=cap)
-
-
-def decode_workspace_floats(rows: int, q_heads: int, head_dim: int, slots: int) -> int:
-    """fp32 values of the decode kernel's split results: an output row and a log-sum-exp
-    per (row, query head, split slot)."""
-    return rows * q_heads * slots * (head_dim + 1)
 
 
 def num_ctas_for(ctas_per_split: int, num_sms: int) -> int:

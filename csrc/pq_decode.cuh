@@ -229,18 +229,18 @@ struct DecodeCta {
   }
 };
 
-// Where a request's keys go (`round`: the warps' 32-token round, C::kWarps * kChunk).
+// Where a request's keys go.
 // Codes [lo, n_codes) in `used` splits of `per` tokens from `first`, and the window
 // [max(n_codes, lo), L) (layout.window_start of the query at L - 1) in split used - 1,
 // where lo = L - sliding_window on sliding-window layers (else 0). Pages wholly before lo
 // are never touched: vLLM frees them, and the block table may still name their old blocks.
-// `per` is at least min_split and, when min_split is set, a whole number of rounds: a
-// request with at most min_split codes has one split whatever num_splits is.
+// `per` is at least min_split: a request with at most min_split codes has one split
+// whatever num_splits is. Splits past `used` are empty (their items write -inf).
 struct SplitPlan {
   int n_codes, lo, first, per, used;
 };
 
-__device__ __forceinline__ SplitPlan split_plan(const DecodeArgs& a, int len, int round) {
+__device__ __forceinline__ SplitPlan split_plan(const DecodeArgs& a, int len) {
   SplitPlan p;
   p.n_codes = a.window > 0 ? ((max(len, 1) - 1) / a.window) * a.window : len;
   p.lo = a.sliding_window > 0 ? max(0, len - a.sliding_window) : 0;
@@ -248,8 +248,7 @@ __device__ __forceinline__ SplitPlan split_plan(const DecodeArgs& a, int len, in
   p.per = kChunk, p.used = 1;          // (no codes: the window's split only)
   if (p.n_codes > p.lo) {
     const int even = ceil_div(p.n_codes - p.first, a.num_splits);
-    const int step = a.min_split > 0 ? round : kChunk;
-    p.per = max(a.min_split, ceil_div(even, step) * step);
+    p.per = max(a.min_split, ceil_div(even, kChunk) * kChunk);
     p.used = ceil_div(p.n_codes - p.first, p.per);
   }
   return p;
@@ -278,24 +277,10 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
         .template load_books<LUT>();
   }
 
-  // Items (request, split) split-major, up to the batch's most splits with work: a batch
-  // of short requests given 16 slots has one each, and the other 15 are not visited
-  // (split 0 of each request marks them empty for reduce_kernel).
-  __shared__ int most_used;
-  if (threadIdx.x == 0) most_used = 1;
-  __syncthreads();
-  {
-    int mine = 1;
-    for (int i = threadIdx.x; i < a.num_reqs; i += C::kThreads)
-      mine = max(mine, split_plan(a, a.seq_lens[i], C::kWarps * kChunk).used);
-    mine = __reduce_max_sync(0xffffffffu, mine);  // then one shared atomic per warp
-    if (lane == 0) atomicMax(&most_used, mine);
-  }
-  __syncthreads();
-  for (int item = blockIdx.x; item < a.num_reqs * most_used; item += gridDim.x) {
-    const int req = item % a.num_reqs, slot = item / a.num_reqs;
+  for (int item = blockIdx.x; item < a.num_reqs * slots; item += gridDim.x) {
+    const int req = item / slots, slot = item % slots;
     const int len = a.seq_lens[req];
-    const SplitPlan plan = split_plan(a, len, C::kWarps * kChunk);
+    const SplitPlan plan = split_plan(a, len);
     const int n_codes = plan.n_codes, lo = plan.lo;
     int t_begin = 0, t_end = 0, w_begin = 0, w_end = 0;
     if (len > 0) {
@@ -308,10 +293,6 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
       if (wrow >= 0 && wrow < a.win_rows && slot == plan.used - 1) w_begin = max(n_codes, lo), w_end = len;
     }
     float* lse_out = a.ws_lse + ((int64_t)req * a.num_heads + h0) * slots + slot;
-    if (slot == 0) {  // the splits without work, visited or not, are empty
-      for (int i = threadIdx.x; i < nh * (slots - plan.used); i += C::kThreads)
-        lse_out[(i / (slots - plan.used)) * slots + plan.used + i % (slots - plan.used)] = -CUDART_INF_F;
-    }
     const bool has_codes = t_begin < t_end, has_win = w_begin < w_end;
     if (!has_codes && !has_win) {
       if (threadIdx.x < nh) lse_out[threadIdx.x * slots] = -CUDART_INF_F;

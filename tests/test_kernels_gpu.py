@@ -315,8 +315,9 @@ def test_decode_short_requests_do_not_depend_on_the_batch(window, sliding):
         for s, out in batch.items():
             assert torch.equal(alone, out[i : i + 1]), (i, s)
     assert short >= 3
-    # without the floor a short request's splits follow the batch, and so do its numerics
-    i = lens.index(384) if window == 0 else lens.index(257)
+    # the split count is part of a request's numerics (seen on a long one; at bf16 output
+    # the short ones above did not show it)
+    i = lens.index(9000)
     assert not torch.equal(run_kernel(c, splits=16)[i], run_kernel(c, splits=1)[i])
 
 

@@ -103,12 +103,10 @@ def workspace_slots(max_decodes: int, q_heads: int, kv_heads: int, num_sms: int)
 
 
 def decode_rows(vllm_config) -> int:
-    """Most rows one decode step can pass the kernel: vLLM's admission limit, or the CUDA
-    graph capture size a batch that large is padded to."""
-    sched = vllm_config.scheduler_config
-    cap = sched.max_num_active_seqs or sched.max_num_seqs
+    """Most rows one decode step can pass the kernel: max_num_seqs, or a larger CUDA graph
+    capture size (graphs pad a batch up to one)."""
     sizes = vllm_config.compilation_config.cudagraph_capture_sizes or []
-    return min([s for s in sizes if s >= cap], default=cap)
+    return max([vllm_config.scheduler_config.max_num_seqs, *sizes])
 
 
 def num_ctas_for(ctas_per_split: int, num_sms: int) -> int:

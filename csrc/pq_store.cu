@@ -44,6 +44,25 @@ struct StoreCfg {
   static_assert(!Grid || DS == 2, "grid records are 2-D");
 };
 
+// A CTA's group of mg subspaces into shared memory: centroids [kGroup][256][DS], then
+// their |c|^2 / 2 [kGroup][256] (returned). Both store kernels score with these, so the
+// grid search's scores are the full search's bit for bit.
+template <int DS, int kGroup>
+__device__ __forceinline__ float* stage_centroids(const float* cb, int mg, float* smem) {
+  const float4* g4 = reinterpret_cast<const float4*>(cb);
+  float4* s4 = reinterpret_cast<float4*>(smem);
+  for (int i = threadIdx.x; i < mg * kCentroids * DS / 4; i += kStoreThreads) s4[i] = g4[i];
+  float* half_norm = smem + kGroup * kCentroids * DS;
+  for (int j = threadIdx.x; j < mg * kCentroids; j += kStoreThreads) {
+    const float* cj = cb + (size_t)j * DS;
+    float sq = 0.f;
+#pragma unroll
+    for (int i = 0; i < DS; ++i) sq = __fmaf_rn(cj[i], cj[i], sq);
+    half_norm[j] = 0.5f * sq;  // NaN for the NaN-marked centroid: never nearest
+  }
+  return half_norm;
+}
+
 // The code of token `t` goes into its page; subspace 0 of a non-finite vector gets nan_code.
 template <typename T>
 __device__ __forceinline__ void write_code(const StoreArgs& a, const T* src, int64_t stride, bool is_v,
@@ -105,8 +124,7 @@ __global__ void __launch_bounds__(kStoreThreads) store_grid_kernel(StoreArgs a, 
   const int rec_bytes = is_v ? a.v_grid_bytes : a.k_grid_bytes;
   const int m0 = (blockIdx.z % groups) * C::kGroup;
   const int mg = min(C::kGroup, m_total - m0);
-  float* half_norm = cb_smem + C::kGroup * kCentroids * 2;
-  uint8_t* recs = reinterpret_cast<uint8_t*>(half_norm + C::kGroup * kCentroids);
+  uint8_t* recs = reinterpret_cast<uint8_t*>(cb_smem + C::kGroup * kCentroids * 3);
   const float* cb = (is_v ? a.v_cb : a.k_cb) + ((size_t)head * m_total + m0) * kCentroids * 2;
   const uint8_t* grid = (is_v ? a.v_grid : a.k_grid) + ((size_t)head * m_total + m0) * rec_bytes;
   const T* src = static_cast<const T*>(is_v ? a.value : a.key);
@@ -114,16 +132,10 @@ __global__ void __launch_bounds__(kStoreThreads) store_grid_kernel(StoreArgs a, 
   const int tok0 = blockIdx.x * C::kTokens;
   const int ntok = min(C::kTokens, a.num_tokens - tok0);
 
-  const float4* g4 = reinterpret_cast<const float4*>(cb);
-  float4* s4 = reinterpret_cast<float4*>(cb_smem);
-  for (int i = threadIdx.x; i < mg * kCentroids * 2 / 4; i += kStoreThreads) s4[i] = g4[i];
+  const float* half_norm = stage_centroids<2, C::kGroup>(cb, mg, cb_smem);
   const uint4* gr = reinterpret_cast<const uint4*>(grid);
   uint4* sr = reinterpret_cast<uint4*>(recs);
   for (int i = threadIdx.x; i < mg * rec_bytes / 16; i += kStoreThreads) sr[i] = gr[i];
-  for (int j = threadIdx.x; j < mg * kCentroids; j += kStoreThreads) {
-    const float* cj = cb + (size_t)j * 2;
-    half_norm[j] = 0.5f * __fmaf_rn(cj[1], cj[1], __fmaf_rn(cj[0], cj[0], 0.f));  // as the full search
-  }
   __syncthreads();
   const int lane = threadIdx.x % C::kLanes, ml = threadIdx.x / C::kLanes;
   const int m = m0 + ml;
@@ -153,23 +165,13 @@ __global__ void __launch_bounds__(kStoreThreads) store_kernel(StoreArgs a, int f
   const int m_total = is_v ? a.m_v : a.m_k;
   const int m0 = (blockIdx.z % groups) * C::kGroup;
   const int mg = min(C::kGroup, m_total - m0);
-  float* half_norm = cb_smem + C::kGroup * kCentroids * DS;
   const float* cb = (is_v ? a.v_cb : a.k_cb) + ((size_t)head * m_total + m0) * kCentroids * DS;
   const T* src = static_cast<const T*>(is_v ? a.value : a.key);
   const int64_t stride = is_v ? a.value_stride : a.key_stride;
   const int tok0 = blockIdx.x * C::kTokens;
   const int ntok = min(C::kTokens, a.num_tokens - tok0);
 
-  const float4* g4 = reinterpret_cast<const float4*>(cb);
-  float4* s4 = reinterpret_cast<float4*>(cb_smem);
-  for (int i = threadIdx.x; i < mg * kCentroids * DS / 4; i += kStoreThreads) s4[i] = g4[i];
-  for (int j = threadIdx.x; j < mg * kCentroids; j += kStoreThreads) {
-    const float* cj = cb + (size_t)j * DS;
-    float sq = 0.f;
-#pragma unroll
-    for (int i = 0; i < DS; ++i) sq = __fmaf_rn(cj[i], cj[i], sq);
-    half_norm[j] = 0.5f * sq;  // NaN for the NaN-marked centroid: never nearest
-  }
+  const float* half_norm = stage_centroids<DS, C::kGroup>(cb, mg, cb_smem);
   __syncthreads();
   const int lane = threadIdx.x % C::kLanes, ml = threadIdx.x / C::kLanes;
   const int m = m0 + ml;

@@ -3,7 +3,9 @@
     python eval/soak.py --model eval/data/smollm2 --backends CUSTOM FLASH_ATTN --minutes 10
     python eval/soak.py ... --parallel   # both servers at once, each on its own share of one GPU
 
-For each backend: start the server; record GPU memory; take the greedy output of each
+Every server gets the same KV cache (--kv-cache-gib, vLLM's --kv-cache-memory-bytes), so
+that neither is limited by memory the other took. For each backend: start the server;
+record GPU memory and its KV capacity; take the greedy output of each
 reference prompt sent alone; then for --minutes keep --clients concurrent clients busy
 with prompts of mixed lengths up to max_model_len, streaming and non-streaming, a share
 cancelled by the client mid-stream (or by a short timeout), a few malformed requests
@@ -56,6 +58,14 @@ def gpu_memory_mib(root_pid: int) -> tuple[int, str]:
     if mine:
         return sum(mine), "server processes"
     return int(smi("--query-gpu=memory.used").split()[0]), "whole GPU"
+
+
+def capacity_lines(log_path: str) -> list[str]:
+    """The server's own account of what it can hold: vLLM's KV cache size and concurrency,
+    and (CUSTOM) the window store's admission limit."""
+    keys = ("KV cache size:", "vllm_pq_backend:")
+    with open(log_path, errors="replace") as f:
+        return [line.split("] ", 1)[-1].strip() for line in f if any(k in line for k in keys)][:4]
 
 
 def wait_healthy(port: int, proc, timeout: float) -> bool:
@@ -171,16 +181,21 @@ async def alone_outputs(args, port) -> list[str]:
 
 
 def soak(args, backend: str, port: int) -> dict:
-    log = open(os.path.join(os.path.dirname(args.out) or ".", f"soak_{backend}.log"), "w")
+    log_path = os.path.join(os.path.dirname(args.out) or ".", f"soak_{backend}.log")
+    log = open(log_path, "w")
     share = 0.4 if args.parallel else 0.5
+    # The same KV cache bytes for every backend. Sized by --gpu-memory-utilization instead,
+    # two servers starting together on one GPU each count the other's allocations made
+    # during their memory profile as their own use, and one gets a fraction of the cache.
     cmd = ["vllm", "serve", args.model, "--attention-backend", backend, "--port", str(port),
            "--max-model-len", str(args.max_model_len), "--gpu-memory-utilization", str(share),
-           *args.serve_args]
+           "--kv-cache-memory-bytes", str(int(args.kv_cache_gib * 2**30)), *args.serve_args]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     row = dict(backend=backend, command=" ".join(cmd))
     try:
         if not wait_healthy(port, proc, 600):
             return dict(row, error="server did not become healthy", exited=proc.poll())
+        row["capacity"] = capacity_lines(log_path)
         alone = asyncio.run(alone_outputs(args, port))
         row["gpu_mib_before"], row["gpu_mib_scope"] = gpu_memory_mib(proc.pid)
         start = time.time()
@@ -211,6 +226,8 @@ def main() -> int:
     p.add_argument("--port", type=int, default=8190)
     p.add_argument("--parallel", action="store_true",
                    help="run the backends' servers at the same time (0.4 of the GPU each)")
+    p.add_argument("--kv-cache-gib", type=float, default=8,
+                   help="KV cache of every server (--kv-cache-memory-bytes), the same for each")
     p.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[],
                    help="passed to vllm serve (last on the command line)")
     p.add_argument("--out", default="eval/results/soak.json")
@@ -222,7 +239,8 @@ def main() -> int:
         print(json.dumps({k: v for k, v in row.items() if k != "errors"}), flush=True)
         with open(args.out, "w") as f:
             json.dump(dict(provenance(), model=args.model, minutes=args.minutes, clients=args.clients,
-                           max_model_len=args.max_model_len, parallel=args.parallel, rows=rows),
+                           max_model_len=args.max_model_len, parallel=args.parallel,
+                           kv_cache_gib=args.kv_cache_gib, rows=rows),
                       f, indent=1)
 
     if args.parallel:

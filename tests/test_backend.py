@@ -413,6 +413,12 @@ def test_window_store_lowers_admission_to_fit_its_memory_share(model_factory, mo
     assert vc.scheduler_config.max_num_active_seqs is None
     vc.scheduler_config.max_num_active_seqs = 3  # the user's
     assert impl_mod.window_rows(stub, "cuda", torch.bfloat16) == 3
+    # --kv-cache-memory-bytes: vLLM gives the KV cache exactly that, whatever other
+    # processes hold (two servers sharing a GPU start together): the share is of it.
+    object.__setattr__(vc.parallel_config, "world_size", 1)
+    vc.scheduler_config.max_num_active_seqs = None
+    vc.cache_config.kv_cache_memory_bytes = 256 * mib
+    assert impl_mod.window_rows(stub, "cuda", torch.bfloat16) == int(0.1 * 256 * mib) // per_seq == 409
 
 
 @pytest.mark.parametrize("total_kv,tp,rank,want", [(8, 2, 1, [4, 5, 6, 7]), (8, 4, 2, [4, 5]),

@@ -239,8 +239,12 @@ def window_rows(impl: PQAttentionImpl, device, dtype) -> int:
     cap = sched.max_num_seqs
     if torch.device(device).type != "cuda" or impl._vllm_config.parallel_config.world_size > 1:
         return cap
-    free, total = torch.cuda.mem_get_info(device)
-    budget = impl._vllm_config.cache_config.gpu_memory_utilization * total - (total - free)
+    cache = impl._vllm_config.cache_config
+    if cache.kv_cache_memory_bytes:  # the user sized the KV cache: vLLM skips its profile
+        budget = cache.kv_cache_memory_bytes
+    else:  # what is left of this engine's share: memory in use (any process's) is spent
+        free, total = torch.cuda.mem_get_info(device)
+        budget = cache.gpu_memory_utilization * total - (total - free)
     rows = max(1, min(cap, int(impl.cfg.window_memory * budget) // window_bytes_per_seq(impl, dtype)))
     sched.max_num_active_seqs = rows
     return rows

@@ -89,6 +89,38 @@ def test_customize_spec_sizes_pages_from_codebooks(model_factory):
         assert spec.dtype == torch.uint8
 
 
+def test_page_size_is_the_asking_engines_outside_vllms_config_context(model_factory):
+    """vLLM asks for the page size from its model runner (``self.vllm_config``) or a
+    function given ``vllm_config``, outside its config context: each engine gets its own
+    codebooks' size, however the engines' calls interleave; nothing is remembered between
+    calls (two engines in one process)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from vllm_pq_backend.backend import PQAttentionBackend
+
+    model = model_factory(128, 8, 2)
+    dense = FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=128, dtype=torch.bfloat16)
+
+    class Runner:  # as vLLM's GPUModelRunner.get_kv_cache_spec
+        def __init__(self, vc):
+            self.vllm_config = vc
+
+        def page_bytes(self):
+            return PQAttentionBackend.customize_spec(dense).page_size_bytes
+
+    def get_kv_cache_spec(vllm_config):  # as vllm.v1.worker.gpu.attn_utils
+        return PQAttentionBackend.customize_spec(dense).page_size_bytes
+
+    a = Runner(vllm_config(model, block_size=128, pq={"m": 64}))
+    b = Runner(vllm_config(model, block_size=128, pq={"m": 16}))
+    for _ in range(2):
+        assert a.page_bytes() == 128 * 2 * 128 and b.page_bytes() == 128 * 2 * 32
+    assert get_kv_cache_spec(b.vllm_config) == 128 * 2 * 32
+    assert get_kv_cache_spec(a.vllm_config) == 128 * 2 * 128
+    with pytest.raises(RuntimeError, match="no vLLM config"):
+        PQAttentionBackend.customize_spec(dense)
+
+
 def test_config_precedence_and_defaults(tmp_path, monkeypatch):
     model = write_model_config(str(tmp_path / "m"))
     monkeypatch.delenv("VLLM_PQ_M", raising=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 from typing import ClassVar
 
@@ -10,33 +11,50 @@ from vllm.v1.attention.backend import AttentionBackend, AttentionType, MultipleO
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from . import codebooks
-from .config import DEFAULT_BLOCK_SIZE, current_pq_config
+from .config import DEFAULT_BLOCK_SIZE, pq_config_of
 from .layout import BLOCK_ALIGN, PageLayout
 
 SUPPORTED_HEAD_SIZES = (64, 128, 256)
 
 
-_M_SEEN: dict[int, tuple[int, int]] = {}  # head_size -> (Mk, Mv), set when layers are built
+def engine_config():
+    """The vLLM config of the engine that is asking.
+
+    vLLM makes it current while it builds the layers, but asks for the page size
+    (customize_spec, from the model runner's get_kv_cache_spec) outside that context.
+    There it is the caller's: a ``vllm_config`` argument or the runner's
+    ``self.vllm_config``. Read from the stack rather than remembered from an earlier call,
+    so that two engines in one process never see each other's configuration."""
+    from vllm.config import VllmConfig, get_current_vllm_config_or_none
+
+    vc = get_current_vllm_config_or_none()
+    frame = sys._getframe(1)
+    while vc is None and frame is not None:
+        loc = frame.f_locals
+        for cand in (loc.get("vllm_config"), getattr(loc.get("self"), "vllm_config", None)):
+            if isinstance(cand, VllmConfig):
+                vc = cand
+                break
+        frame = frame.f_back
+    if vc is None:
+        raise RuntimeError(
+            "vllm_pq_backend: no vLLM config is current and no caller holds one; the "
+            "backend's page size depends on the engine's codebooks"
+        )
+    return vc
 
 
-def configured_m(head_size: int) -> tuple[int, int]:
-    """(Mk, Mv) of the codebooks this engine will load (the file is the authority).
-
-    vLLM asks for the page size (customize_spec) outside its config context; by then the
-    attention layers, built inside it, have recorded them."""
-    from vllm.config import get_current_vllm_config_or_none
-
-    if get_current_vllm_config_or_none() is None and head_size in _M_SEEN:
-        return _M_SEEN[head_size]
-    cfg = current_pq_config()
+def configured_m(head_size: int, vllm_config=None) -> tuple[int, int]:
+    """(Mk, Mv) of the codebooks the engine loads: the file is the authority, and a
+    configured m / m_v must match it."""
+    cfg = pq_config_of(vllm_config or engine_config())
     info = codebooks.read_info(cfg.codebook_file(head_size))
     if (cfg.m, cfg.m_v) not in ((None, None), (info.m_k, info.m_v)):
         raise codebooks.CodebookError(
             f"PQ codebooks {info.path} have Mk={info.m_k}, Mv={info.m_v}; configuration "
             f"asks for Mk={cfg.m}, Mv={cfg.m_v}. " + codebooks.calibrate_hint(m=cfg.m, m_v=cfg.m_v)
         )
-    _M_SEEN[head_size] = (info.m_k, info.m_v)
-    return _M_SEEN[head_size]
+    return info.m_k, info.m_v
 
 
 class PQAttentionBackend(AttentionBackend):

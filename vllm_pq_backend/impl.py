@@ -149,7 +149,7 @@ class PQAttentionImpl(AttentionImpl[PQMetadata]):
             self.codebook_info, vc.model_config.hf_config, self.cfg.m, self.cfg.m_v,
             vc.model_config.model,
         )
-        configured_m(head_size)  # remembered for vLLM's page sizing
+        configured_m(head_size, vc)  # the configured M matches the file (else a clear error)
         # vLLM settles the block size after the model is built: read it when first used.
         self._cache_config = vc.cache_config
         self._vllm_config = vc

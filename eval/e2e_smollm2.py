@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import hashlib
 import json
 import math
 import os
 import sys
 import time
 
-from provenance import provenance  # eval/ is the script's directory
+from provenance import codebook_meta, provenance  # eval/ is the script's directory
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # read the engine's KV size
 
@@ -44,23 +43,6 @@ def load_docs(path, tokenizer, max_len, n_docs):
     step = max(1, len(docs) // n_docs)
     return [([tokenizer.bos_token_id] + tokenizer(t, add_special_tokens=False)["input_ids"])[:max_len]
             for t in docs[::step][:n_docs]]
-
-
-def codebook_meta(path):
-    """bits, M, method and hash of a codebook file, for the rows it produces."""
-    from vllm_pq_backend import codebooks
-    from vllm_pq_backend.layout import bits_of
-
-    info = codebooks.read_info(path)
-    cal = codebooks.calibration_of(info)
-    with open(path, "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()[:16]
-    return dict(m_k=info.m_k, m_v=info.m_v, bits_k=bits_of(info.head_dim, info.m_k),
-                bits_v=bits_of(info.head_dim, info.m_v), codebook_sha256=digest,
-                codebook_file=os.path.abspath(path),
-                method="plain" if not info.transforms and not cal.get("method") else
-                json.dumps(cal.get("method"), sort_keys=True),
-                calib_text=cal.get("texts"), calib_tokens=cal.get("tokens"))
 
 
 def prompt_perplexity(llm, docs) -> tuple[float, int]:

@@ -2,7 +2,9 @@
 git commit, the command as run and the date."""
 
 import datetime
+import hashlib
 import importlib.metadata
+import json
 import os
 import subprocess
 import sys
@@ -43,3 +45,20 @@ def provenance(device: str | None = None) -> dict:
         command="python " + " ".join(sys.argv),
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     )
+
+
+def codebook_meta(path):
+    """bits, M, method and hash of a codebook file, for the rows it produces."""
+    from vllm_pq_backend import codebooks
+    from vllm_pq_backend.layout import bits_of
+
+    info = codebooks.read_info(path)
+    cal = codebooks.calibration_of(info)
+    with open(path, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()[:16]
+    return dict(m_k=info.m_k, m_v=info.m_v, bits_k=bits_of(info.head_dim, info.m_k),
+                bits_v=bits_of(info.head_dim, info.m_v), codebook_sha256=digest,
+                codebook_file=os.path.abspath(path),
+                method="plain" if not info.transforms and not cal.get("method") else
+                json.dumps(cal.get("method"), sort_keys=True),
+                calib_text=cal.get("texts"), calib_tokens=cal.get("tokens"))

@@ -30,7 +30,7 @@ import sys
 import time
 import urllib.request
 
-from provenance import provenance  # eval/ is the script's directory
+from provenance import codebook_meta, provenance  # eval/ is the script's directory
 
 REFERENCE = [f"Write a short note about {t}." for t in (
     "the water cycle", "binary search", "the French revolution", "photosynthesis",
@@ -58,6 +58,21 @@ def gpu_memory_mib(root_pid: int) -> tuple[int, str]:
     if mine:
         return sum(mine), "server processes"
     return int(smi("--query-gpu=memory.used").split()[0]), "whole GPU"
+
+
+def codebook_file(args) -> str | None:
+    """CUSTOM's codebook file: --additional-config's pq.codebooks in --serve-args, else the
+    default next to the model (as the backend resolves it)."""
+    from vllm_pq_backend.config import PQConfig
+
+    extra = args.serve_args
+    cfg = next((json.loads(extra[i + 1]) for i, a in enumerate(extra[:-1])
+                if a == "--additional-config"), None)
+    with open(os.path.join(args.model, "config.json")) as f:
+        hf = json.load(f)
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    path = PQConfig.from_sources(cfg, args.model).codebook_file(head_dim)
+    return path if os.path.isfile(path) else None
 
 
 def capacity_lines(log_path: str) -> list[str]:
@@ -117,7 +132,7 @@ async def load(args, port, alone, deadline) -> dict:
 
     url = f"http://127.0.0.1:{port}/v1/completions"
     stats = dict(requests=0, ok=0, cancelled=0, bad_rejected=0, errors=[], reference=0,
-                 reference_identical=0)
+                 reference_identical=0, reference_differs=[])
     rng = random.Random(0)
 
     async def client(i):
@@ -142,6 +157,12 @@ async def load(args, port, alone, deadline) -> dict:
                     if st == 200:
                         stats["reference"] += 1
                         stats["reference_identical"] += text == alone[j]
+                        if text != alone[j] and len(stats["reference_differs"]) < 20:
+                            # where they part: a tie-like late flip or garbage from the start
+                            at = next((i for i, (x, y) in enumerate(zip(text, alone[j])) if x != y),
+                                      min(len(text), len(alone[j])))
+                            stats["reference_differs"].append(dict(
+                                prompt=j, first_char_differing=at, alone=alone[j], loaded=text))
                     else:
                         stats["errors"].append(f"reference: {st} {text[:200]}")
                     continue
@@ -236,12 +257,15 @@ def main() -> int:
 
     def record(row):
         rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "errors"}), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("errors", "reference_differs")}), flush=True)
         with open(args.out, "w") as f:
             json.dump(dict(provenance(), model=args.model, minutes=args.minutes, clients=args.clients,
                            max_model_len=args.max_model_len, parallel=args.parallel,
-                           kv_cache_gib=args.kv_cache_gib, rows=rows),
+                           kv_cache_gib=args.kv_cache_gib, codebooks=meta, rows=rows),
                       f, indent=1)
+
+    books = codebook_file(args)
+    meta = codebook_meta(books) if books else {}
 
     if args.parallel:
         with concurrent.futures.ThreadPoolExecutor(len(args.backends)) as pool:

@@ -41,24 +41,30 @@ LLAMA3_8B = {
 CONTEXTS = (1024, 8192, 32768)
 
 
-def make_model_dir(m: int) -> str:
-    """config.json of Llama-3-8B's shape, and random codebooks for CUSTOM (speed does
-    not depend on what the centroids are)."""
+def write_model_dir(d: str, ms) -> str:
+    """config.json of Llama-3-8B's shape in ``d``, and random codebooks for CUSTOM with
+    each M of ``ms`` (speed does not depend on what the centroids are)."""
     import torch
     from transformers import LlamaConfig
 
     from vllm_pq_backend.codebooks import save_codebooks
     from vllm_pq_backend.config import default_codebook_path
 
-    d = tempfile.mkdtemp(prefix="llama3-8b-shape-")
+    os.makedirs(d, exist_ok=True)
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(LLAMA3_8B, f)
     cfg = LlamaConfig(**LLAMA3_8B)
     g = torch.Generator().manual_seed(0)
-    shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, m, 256, cfg.head_dim // m)
-    k, v = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
-    save_codebooks(default_codebook_path(d, m), k, v, cfg, {"model": "random (benchmark)"})
+    for m in ms:
+        shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, m, 256, cfg.head_dim // m)
+        k, v = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+        save_codebooks(default_codebook_path(d, m), k, v, cfg, {"model": "random (benchmark)"})
     return d
+
+
+def make_model_dir(m: int) -> str:
+    """A temporary Llama-3-8B-shaped model folder with random codebooks of M ``m``."""
+    return write_model_dir(tempfile.mkdtemp(prefix="llama3-8b-shape-"), [m])
 
 
 def engine_backend(backend: str, m: int) -> tuple[dict, str]:

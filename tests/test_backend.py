@@ -175,6 +175,16 @@ def test_codebook_errors_name_the_mismatch(tmp_path):
     assert k.shape == v.shape == (1, 32, 256, 2) and k.dtype == torch.float32
 
 
+def test_codebooks_recalibrated_in_place_are_read_again(tmp_path):
+    """The header cache must not serve a file's old header after it is rewritten (a
+    calibration into the same path between two engines of one process)."""
+    a = write_model_config(str(tmp_path / "a"), head_dim=64, layers=2)
+    path = random_codebooks(str(tmp_path / "cb.safetensors"), a, 32)
+    assert codebooks.read_info(path).m_k == 32
+    random_codebooks(path, a, 16)
+    assert codebooks.read_info(path).m_k == 16
+
+
 def codebooks_cfg(path):
     from helpers import hf_config
 

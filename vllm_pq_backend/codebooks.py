@@ -149,10 +149,17 @@ class CodebookInfo:
     transforms: tuple[str, ...] = ()  # which of TRANSFORMS the file has
 
 
-@functools.lru_cache(maxsize=16)
 def read_info(path: str) -> CodebookInfo:
+    """The file's header, read once per version of the file: the cache key holds its
+    modification time and size, so a file recalibrated in place is read again."""
     if not os.path.isfile(path):
         raise CodebookError(f"PQ codebook file not found: {path}. " + calibrate_hint())
+    st = os.stat(path)
+    return _read_info(path, st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=16)
+def _read_info(path: str, _mtime_ns: int, _size: int) -> CodebookInfo:
     try:
         with safe_open(path, framework="pt") as f:
             meta = f.metadata() or {}

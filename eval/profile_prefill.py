@@ -1,10 +1,14 @@
-"""Where prefill's time goes: torch.profiler around `LLM.generate(max_tokens=1)` of fresh
-prompts on Llama-3-8B's shape with dummy weights (bench_e2e.make_model_dir), one backend
-per process, the engine in this process. Writes the GPU kernels and the CPU ops of one
-profiled call, by total time, so that two backends can be compared op by op:
+"""Where prefill's (or decode's) time goes: torch.profiler around `LLM.generate` on
+Llama-3-8B's shape with dummy weights (bench_e2e.make_model_dir), one backend per process,
+the engine in this process. Writes the GPU kernels and the CPU ops of one profiled call,
+by total time, so that two backends can be compared op by op:
 
     python eval/profile_prefill.py --backend FLASH_ATTN --out eval/results/profile_prefill_fa.txt
     python eval/profile_prefill.py --backend CUSTOM --m 64 --out eval/results/profile_prefill_custom.txt
+
+With --decode-tokens N the profiled call is `generate(max_tokens=1 + N)` of prompts the
+warm-up call already prefilled (prefix caching: only their last partial block runs
+again), so its kernels are N decode steps at --prompt-tokens context and batch --batch.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ def main() -> int:
     p.add_argument("--m", type=int, default=64, help="CUSTOM: subspaces (64: 4 bits, 32: 2 bits)")
     p.add_argument("--prompt-tokens", type=int, default=1024)
     p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--decode-tokens", type=int, default=0,
+                   help="profile this many decode steps of the warm-up's prompts instead")
     p.add_argument("--rows", type=int, default=40, help="rows of each table")
     p.add_argument("--out", required=True)
     args = p.parse_args()
@@ -46,19 +52,24 @@ def main() -> int:
 
     backend_kw, name = engine_backend(args.backend, args.m)
     llm = LLM(model=make_model_dir(args.m), load_format="dummy", skip_tokenizer_init=True,
-              dtype="bfloat16", max_model_len=args.prompt_tokens + 16, seed=0,
+              dtype="bfloat16", max_model_len=args.prompt_tokens + args.decode_tokens + 16,
+              max_num_seqs=max(256, args.batch), enable_prefix_caching=True, seed=0,
               gpu_memory_utilization=0.9, **backend_kw)
     sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
-    llm.generate(prompts(), sp, use_tqdm=False)  # warm-up: compiles, graphs, autotuning
+    warm = prompts()
+    llm.generate(warm, sp, use_tqdm=False)  # warm-up: compiles, graphs, autotuning
     torch.cuda.synchronize()
+    if args.decode_tokens:
+        sp = SamplingParams(max_tokens=1 + args.decode_tokens, temperature=0.0,
+                            ignore_eos=True, detokenize=False)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
-        llm.generate(prompts(), sp, use_tqdm=False)
+        llm.generate(warm if args.decode_tokens else prompts(), sp, use_tqdm=False)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
     events = prof.key_averages()
     head = dict(provenance(), backend=name, prompt_tokens=args.prompt_tokens, batch=args.batch,
-                seconds_profiled=round(seconds, 4))
+                decode_tokens=args.decode_tokens, seconds_profiled=round(seconds, 4))
     with open(args.out, "w") as f:
         f.write(json.dumps(head) + "\n\n")
         f.write("GPU kernels by self device time\n")

@@ -11,7 +11,8 @@ with prompts of mixed lengths up to max_model_len, streaming and non-streaming, 
 cancelled by the client mid-stream (or by a short timeout), a few malformed requests
 (expecting HTTP 400), and the reference prompts again (greedy, compared token text to
 the alone outputs); afterwards check /health and GPU memory again (the server's processes'
-own use where nvidia-smi can tell, else the whole GPU's). Writes
+own use where nvidia-smi can tell, else the whole GPU's), also sampled every
+--memory-every seconds during the load. Writes
 eval/results/soak.json: errors (anything other than the deliberate cancellations and the
 expected 400s), whether the server exited, memory before/after, the share of reference
 outputs identical to alone, request counts.
@@ -27,6 +28,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -220,10 +222,27 @@ def soak(args, backend: str, port: int) -> dict:
         alone = asyncio.run(alone_outputs(args, port))
         row["gpu_mib_before"], row["gpu_mib_scope"] = gpu_memory_mib(proc.pid)
         start = time.time()
-        stats = asyncio.run(load(args, port, alone, start + 60 * args.minutes))
+        series, done = [], threading.Event()
+
+        def sample():  # GPU memory through the run: a leak keeps rising, a cache levels off
+            while not done.wait(args.memory_every):
+                series.append((round(time.time() - start), gpu_memory_mib(proc.pid)[0]))
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        try:
+            stats = asyncio.run(load(args, port, alone, start + 60 * args.minutes))
+        finally:
+            done.set()
+            sampler.join()
         row["seconds"] = round(time.time() - start, 1)
         row["healthy_after"] = wait_healthy(port, proc, 30)
         row["gpu_mib_after"] = gpu_memory_mib(proc.pid)[0]
+        row["gpu_mib_series"] = series
+        # growth over the second half: the first fills vLLM's and PyTorch's caches
+        # (prompt lengths and batch shapes not seen yet); a leak grows in both
+        half = [m for t, m in series if t >= 30 * args.minutes]
+        row["gpu_mib_growth_second_half"] = half[-1] - half[0] if len(half) > 1 else None
         row["server_exited"] = proc.poll() is not None
         row.update(stats, errors_count=len(stats["errors"]), errors=stats["errors"][:50],
                    reference_identical_share=round(stats["reference_identical"] / max(1, stats["reference"]), 4))
@@ -249,6 +268,8 @@ def main() -> int:
                    help="run the backends' servers at the same time (0.4 of the GPU each)")
     p.add_argument("--kv-cache-gib", type=float, default=8,
                    help="KV cache of every server (--kv-cache-memory-bytes), the same for each")
+    p.add_argument("--memory-every", type=float, default=30,
+                   help="seconds between GPU memory samples during the load")
     p.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[],
                    help="passed to vllm serve (last on the command line)")
     p.add_argument("--out", default="eval/results/soak.json")

@@ -20,7 +20,7 @@ import random
 import sys
 
 from provenance import codebook_meta, provenance  # eval/ is the script's directory
-from soak import REFERENCE, WORDS
+from soak import REFERENCE, first_difference, random_prompt
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -71,8 +71,7 @@ def main() -> int:
                 live[rid] = j
                 refs_sent += 1
             else:
-                n = rng.randint(16, args.max_model_len - 256) if rng.random() < 0.3 else rng.randint(16, 512)
-                prompt = " ".join(rng.choice(WORDS) for _ in range(n))  # about a token a word
+                prompt = random_prompt(rng, args.max_model_len - 256)
                 try:
                     engine.add_request(rid, prompt, SamplingParams(
                         temperature=rng.choice([0.0, 0.8]), max_tokens=rng.randint(1, 48),
@@ -89,8 +88,7 @@ def main() -> int:
             if j is not None:
                 got, lps = tokens_and_logprobs(out.outputs[0])
                 want, want_lps = alone[j]
-                at = next((i for i, (x, y) in enumerate(zip(got, want)) if x != y),
-                          None if got == want else min(len(got), len(want)))
+                at = first_difference(got, want)
                 lp_at = next((i for i, (x, y) in enumerate(zip(lps, want_lps)) if x != y), None)
                 results.append((j, at, lp_at, None if lp_at is None else abs(lps[lp_at] - want_lps[lp_at])))
         steps += 1

@@ -43,6 +43,21 @@ WORDS = ("the of and to in is was for on that with as by at from it an be this w
          "kernel memory page cache token model request server client stream").split()
 
 
+def random_prompt(rng: random.Random, longest: int) -> str:
+    """A load prompt of about a token a word: up to ``longest`` words (a third of the
+    time), else up to 512."""
+    n = rng.randint(16, longest) if rng.random() < 0.3 else rng.randint(16, 512)
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def first_difference(a, b) -> int | None:
+    """Where sequences ``a`` and ``b`` part (the shorter one's length if one is a prefix
+    of the other), None if equal."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def gpu_memory_mib(root_pid: int) -> tuple[int, str]:
     """(MiB, scope): the GPU memory of the process tree under ``root_pid`` (the server and
     its engine core), or of the whole GPU where nvidia-smi does not show their pids."""
@@ -161,15 +176,13 @@ async def load(args, port, alone, deadline) -> dict:
                         stats["reference_identical"] += text == alone[j]
                         if text != alone[j] and len(stats["reference_differs"]) < 20:
                             # where they part: a tie-like late flip or garbage from the start
-                            at = next((i for i, (x, y) in enumerate(zip(text, alone[j])) if x != y),
-                                      min(len(text), len(alone[j])))
+                            at = first_difference(text, alone[j])
                             stats["reference_differs"].append(dict(
                                 prompt=j, first_char_differing=at, alone=alone[j], loaded=text))
                     else:
                         stats["errors"].append(f"reference: {st} {text[:200]}")
                     continue
-                n = rng.randint(16, args.max_model_len - 64) if rng.random() < 0.3 else rng.randint(16, 512)
-                prompt = " ".join(rng.choice(WORDS) for _ in range(n))  # about a token a word
+                prompt = random_prompt(rng, args.max_model_len - 64)
                 stream = rng.random() < 0.5
                 cancel = rng.randint(1, 16) if stream and rng.random() < 0.2 else None
                 timeout = 0.5 if not stream and rng.random() < 0.05 else None
@@ -180,7 +193,7 @@ async def load(args, port, alone, deadline) -> dict:
                     stats["cancelled"] += 1
                 elif st == 200:
                     stats["ok"] += 1
-                elif st == 400 and n > args.max_model_len // 2 and "length" in text:
+                elif st == 400 and len(prompt.split()) > args.max_model_len // 2 and "length" in text:
                     stats["bad_rejected"] += 1  # the words came to more tokens than fit
                 else:
                     stats["errors"].append(f"{st} {text[:200]}")

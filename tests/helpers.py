@@ -138,7 +138,10 @@ class Sim:
             device=self.dev,
         )
         self.free_blocks = list(np.random.default_rng(seed).permutation(np.arange(1, num_blocks)))
-        self.free_rows = list(range(vc.scheduler_config.max_num_seqs))[::-1]
+        # vLLM's request slots, in the shuffled order its start-up warm-up leaves them
+        # (test_backend._warmed_up): the window rows must not depend on that order
+        self.free_rows = np.random.default_rng(seed + 1).permutation(
+            vc.scheduler_config.max_num_seqs).tolist()
         self.reqs: dict[int, Request] = {}
 
     def add(self, rid, shared_blocks=(), max_len=512):

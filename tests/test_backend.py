@@ -299,21 +299,21 @@ def test_builder_on_common_metadata(model_factory):
         query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq, num_reqs=3,
         num_actual_tokens=52, max_query_len=50, max_seq_len=70, block_table_tensor=table,
         slot_mapping=torch.arange(52), seq_lens_cpu_upper_bound=seq,
-        req_idx=np.array([11, 15, 6]),  # vLLM's rows, from the top: window rows 4, 0, 9
+        req_idx=np.array([11, 15, 6]),  # vLLM's slots: window rows in order of first sight
     )
     md = builder.build(0, cam)
     assert (md.num_decodes, md.num_decode_tokens, md.num_prefills) == (2, 2, 1)
-    assert md.req_rows.tolist() == [4, 0, 9]
+    assert md.req_rows.tolist() == [0, 1, 2]
     (p,) = md.prefills
     assert p.query_start_loc_cpu == [0, 50] and p.seq_lens_cpu == [70]
     assert p.block_ids.tolist() == [6, 7, 8]
     # positions 20..69 in windows [0,32) [32,64) [64,96): three segments
     assert p.seg_cu_q.tolist() == [0, 12, 44, 50]
     assert p.seg_cu_k.tolist() == [0, 32, 64, 70]  # 20 earlier tokens come from the store
-    assert p.store_rows.tolist() == [9] * 20 and p.store_slots.tolist() == list(range(20))
+    assert p.store_rows.tolist() == [2] * 20 and p.store_slots.tolist() == list(range(20))
     assert p.fp_src[:20].tolist() == [50 + i for i in range(20)]
     assert p.code_len.tolist() == [32, 64] and p.code_rows.tolist() == list(range(12, 50))
-    assert p.win_pos.tolist() == list(range(64, 70)) and p.win_rows.tolist() == [9] * 6
+    assert p.win_pos.tolist() == list(range(64, 70)) and p.win_rows.tolist() == [2] * 6
     assert not md.batch_invariant
     with pytest.raises(RuntimeError, match="model runner V2"):
         builder.build(0, cam.replace(req_idx=None))
@@ -356,8 +356,8 @@ def test_builder_reads_the_window_store_rows_at_each_build(model_factory):
         req_idx=np.array([15, 12]),  # the third request is CUDA-graph padding
     )
     md = builder.build(0, cam)
-    assert md.req_rows.tolist() == [0, 3, 4]
-    assert builder.req_rows.unique().tolist() == [0, 3, 4]  # no entry names row 16
+    assert md.req_rows.tolist() == [0, 1, 4]
+    assert builder.req_rows.unique().tolist() == [0, 1, 4]  # no entry names row 16
 
 
 def test_batch_invariant_plan_makes_each_segment_a_request():
@@ -437,20 +437,77 @@ def test_missing_kernels_on_a_gpu_fail_with_the_fix(monkeypatch):
         kernels.load.cache_clear()
 
 
-def test_window_rows_follow_vllms_request_rows():
-    """vLLM (model runner V2) hands out request rows last-freed-first from the top: with
-    R admitted requests they are the top R, which the window store's R rows hold; other
-    rows (dummy runs, graph capture) go to the scratch row R."""
-    from vllm_pq_backend.metadata import window_row
+class _VllmSlots:
+    """vLLM's model runner V2 request slots (gpu/states.py RequestState): a free list
+    popped from the end, freed slots appended, finished requests freed sorted by id."""
 
-    free = list(range(16))  # vLLM's InputBatch / RequestState free list, as it does it
-    live = [free.pop() for _ in range(4)]
-    free.append(live.pop(1))  # one finishes, the next request takes its row
-    live.append(free.pop())
-    rows = window_row(np.array(live), 16, 4)
-    assert sorted(rows.tolist()) == [0, 1, 2, 3]
-    assert window_row(np.arange(6), 16, 4).tolist() == [4] * 6  # dummy run of 6 requests
-    assert window_row(np.array([15, 11]), 16, 16).tolist() == [0, 4]
+    def __init__(self, n):
+        self.free, self.slot_of = list(range(n)), {}
+
+    def add(self, rid):
+        self.slot_of[rid] = self.free.pop()
+
+    def finish(self, rids):
+        for rid in sorted(rids):
+            self.free.append(self.slot_of.pop(rid))
+
+
+def _warmed_up(n_slots, n_warmup):
+    """The slots as serving finds them after vLLM's kernel warm-up (gpu/warmup.py):
+    ``n_warmup`` requests named ``_warmup_{i}_`` run together and are freed by name."""
+    slots = _VllmSlots(n_slots)
+    ids = [f"_warmup_{i}_" for i in range(n_warmup)]
+    for rid in ids:
+        slots.add(rid)
+    warm = [slots.slot_of[r] for r in ids]
+    slots.finish(ids)
+    return slots, warm
+
+
+def test_window_rows_are_never_shared_by_running_requests():
+    """Requests that run together (at most R: the scheduler's admission) hold distinct
+    window rows, whatever order vLLM's start-up left its free slots in, including steps
+    that schedule only some of them (a token budget spent on a long prefill)."""
+    from vllm_pq_backend.metadata import WindowRows
+
+    n_slots, rows = 64, 8
+    slots, warm = _warmed_up(n_slots, 40)
+    assign = WindowRows()
+    assign.assign(np.array(warm), rows)  # the warm-up's own step: more requests than rows
+
+    def from_top(s):  # the mapping this replaced: rows counted from vLLM's top slot
+        return n_slots - 1 - s if n_slots - 1 - s < rows else rows
+
+    rng = np.random.default_rng(0)
+    live, row_of, next_id, top_shared = [], {}, 0, 0
+    for _ in range(3000):
+        done = [r for r in live if rng.random() < 0.15]
+        slots.finish(done)
+        live = [r for r in live if r not in done]
+        while len(live) < rows and rng.random() < 0.7:
+            slots.add(next_id)
+            live.append(next_id)
+            next_id += 1
+        run = [r for r in live if rng.random() < 0.8] or live[:1]
+        if not run:
+            continue
+        got = assign.assign(np.array([slots.slot_of[r] for r in run]), rows)
+        row_of.update(zip(run, got.tolist()))
+        held = [row_of[r] for r in live if r in row_of]
+        assert max(held) < rows and len(set(held)) == len(held), (live, held)
+        top = [from_top(slots.slot_of[r]) for r in live]
+        top_shared += len(set(top)) < len(top)
+    assert next_id > 1000
+    assert top_shared > 100  # the old mapping put running requests on one row
+
+
+def test_window_rows_of_a_dummy_run_and_capacity():
+    from vllm_pq_backend.metadata import WindowRows
+
+    assign = WindowRows()
+    assert assign.assign(np.arange(6), 4).tolist() == [0, 1, 2, 3, 4, 4]  # dummy run of 6
+    assert assign.assign(np.array([2, 9]), 4).tolist() == [2, 0]  # 9 takes slot 0's row
+    assert assign.assign(np.array([9, 2]), 16).tolist() == [0, 1]  # admission settled: anew
 
 
 def test_window_store_lowers_admission_to_fit_its_memory_share(model_factory, monkeypatch):

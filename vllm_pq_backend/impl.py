@@ -230,8 +230,8 @@ def window_rows(impl: PQAttentionImpl, device, dtype) -> int:
     scheduler's ``max_num_active_seqs``, else ``max_num_seqs``), lowered on first use so
     that the store takes at most ``window_memory`` of the memory vLLM has left for the KV
     cache, and then written back as ``max_num_active_seqs`` so that the scheduler, which
-    this engine builds after the model, admits no more (metadata.window_row maps vLLM's
-    request rows onto these). The user's ``--max-num-active-seqs`` wins. With several
+    this engine builds after the model, admits no more (metadata.WindowRows gives each
+    running request's slot one of these). The user's ``--max-num-active-seqs`` wins. With several
     workers the scheduler lives in another process: no lowering there."""
     sched = impl._vllm_config.scheduler_config
     if sched.max_num_active_seqs is not None:  # the user's choice, or this engine's first layer's

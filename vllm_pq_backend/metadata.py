@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -26,14 +27,47 @@ logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler, see __init__
 MIN_PREFILL_PAGE_TOKENS = 65536
 
 
-def window_row(req_idx: np.ndarray, max_num_seqs: int, rows: int) -> np.ndarray:
-    """Window store row of vLLM's request rows (``req_idx``, model runner V2). vLLM hands
-    out request rows last-freed-first from the top (``max_num_seqs - 1`` down), so with at
-    most ``rows`` requests admitted they are the top ``rows`` ones: counted from the top
-    they fit the store. Any other (dummy runs of more requests, CUDA-graph capture) goes
-    to the scratch row ``rows``."""
-    out = max_num_seqs - 1 - req_idx.astype(np.int64)
-    return np.where((out >= 0) & (out < rows), out, rows).astype(np.int32)
+class WindowRows:
+    """Window store rows of vLLM's request slots (model runner V2's ``req_idx``), one engine's:
+    a slot keeps its row while it is seen, so requests running together never share one.
+
+    vLLM hands out slots last-freed-first, so no more slots are ever in use than requests
+    ran together, which the scheduler keeps at ``rows`` (impl.window_rows). Which slots
+    those are is not fixed: its start-up kernel warm-up runs hundreds of requests and frees
+    them by name, so serving starts from a shuffled stack (counting slots from the top, as
+    this once did, sent most requests to one shared row). So a slot gets a row when first
+    seen, and a slot not in the step being built can lose its row only to a slot never
+    seen before, least recently seen first. Start-up's slots (warm-up, dummy runs, graph
+    capture) are older than any served request's, and once they are gone no new slot can
+    appear while at most ``rows`` requests run. Rows beyond the table (a dummy run of more
+    requests than rows) and CUDA-graph padding get the scratch row ``rows``."""
+
+    def __init__(self) -> None:
+        self.rows = -1
+        self._row_of: OrderedDict[int, int] = OrderedDict()  # slot -> row, least recent first
+        self._free: list[int] = []
+
+    def assign(self, slots: np.ndarray, rows: int) -> np.ndarray:
+        """The row of each of this step's ``slots`` (scratch ``rows`` if none is left)."""
+        if rows != self.rows:  # admission settled by the first layer (start-up): start over
+            self.rows, self._row_of, self._free = rows, OrderedDict(), list(range(rows - 1, -1, -1))
+        batch = set(slots.tolist())
+        out = np.full(len(slots), rows, dtype=np.int32)
+        for i, s in enumerate(slots.tolist()):
+            r = self._row_of.get(s)
+            if r is None:
+                if self._free:
+                    r = self._free.pop()
+                else:
+                    victim = next((v for v in self._row_of if v not in batch), None)
+                    if victim is None:
+                        continue  # more requests in one step than rows: a dummy run
+                    r = self._row_of.pop(victim)
+                self._row_of[s] = r
+            else:
+                self._row_of.move_to_end(s)
+            out[i] = r
+        return out
 
 
 def prefill_page_tokens(max_model_len: int, block_size: int) -> int:
@@ -310,11 +344,11 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
         self.sliding = getattr(kv_cache_spec, "sliding_window", None) is not None
         sched = vllm_config.scheduler_config
         self._sched = sched
-        self.max_num_seqs = sched.max_num_seqs
         max_len = vllm_config.model_config.max_model_len if vllm_config.model_config else 0
         self.prefill_page_tokens = prefill_page_tokens(max_len, self.block_size)
         size = max(sched.max_num_seqs, sched.max_num_batched_tokens)
         self.req_rows = torch.empty((size,), dtype=torch.int32, device=device)
+        self.window_rows = WindowRows()
         self._rows_filled_with = None  # the scratch row req_rows' unused entries hold
         dev = torch.device(device)
         self.num_sms = (
@@ -385,7 +419,7 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
                     "window off with --additional-config '{\"pq\": {\"window\": 0}}'."
                 )
             rows = np.full(n, scratch, dtype=np.int32)
-            real = window_row(np.asarray(cam.req_idx[:n]), self.max_num_seqs, scratch)
+            real = self.window_rows.assign(np.asarray(cam.req_idx[:n]), scratch)
             rows[: len(real)] = real
             self.req_rows[:n].copy_(torch.from_numpy(rows), non_blocking=True)
             rows_cpu = rows.tolist()

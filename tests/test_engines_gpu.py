@@ -95,3 +95,26 @@ def test_ngram_speculation_keeps_greedy_outputs(tmp_path, monkeypatch, window):
     accepted = [m.value for m in spec.get_metrics()
                 if m.name == "vllm:spec_decode_num_accepted_tokens"]
     assert accepted and accepted[0] > 0
+
+
+def test_window_rows_after_vllms_kernel_warm_up(tmp_path, monkeypatch):
+    """vLLM's start-up kernel warm-up (on unless enforce_eager, which every other test here
+    sets) runs max_num_seqs requests at once and frees them by name, leaving its request
+    slots shuffled. Requests served together must still get window rows of their own: a
+    prompt decodes the same alone and among others, four running at a time (four rows)."""
+    from vllm import LLM, SamplingParams
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    model = tiny_model(tmp_path / "model", head_dim=64)
+    books = random_codebooks(str(tmp_path / "a.safetensors"), model, 32, seed=1)
+    llm = LLM(model=model, attention_backend="CUSTOM", max_model_len=512,
+              gpu_memory_utilization=0.15, max_num_seqs=64, max_num_active_seqs=4, seed=0,
+              compilation_config={"mode": 0, "cudagraph_mode": "NONE"},  # warm-up only
+              additional_config={"pq": {"codebooks": books, "window": 32}})
+    assert llm.llm_engine.vllm_config.kernel_config.enable_jit_warmup
+    sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    alone = [llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
+    others = [" ".join(["fox", "dog", "lazy", "quick"][i % 4] for i in range(n))
+              for n in range(3, 60, 4)]
+    out = llm.generate(others[:5] + PROMPTS + others[5:], sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out[5:8]] == alone

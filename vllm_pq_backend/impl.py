@@ -231,8 +231,8 @@ def window_rows(impl: PQAttentionImpl, device, dtype) -> int:
     that the store takes at most ``window_memory`` of the memory vLLM has left for the KV
     cache, and then written back as ``max_num_active_seqs`` so that the scheduler, which
     this engine builds after the model, admits no more (metadata.WindowRows gives each
-    running request's slot one of these). The user's ``--max-num-active-seqs`` wins. With several
-    workers the scheduler lives in another process: no lowering there."""
+    running request's slot one of these). The user's ``--max-num-active-seqs`` wins. With
+    several workers the scheduler lives in another process: no lowering there."""
     sched = impl._vllm_config.scheduler_config
     if sched.max_num_active_seqs is not None:  # the user's choice, or this engine's first layer's
         return sched.max_num_active_seqs

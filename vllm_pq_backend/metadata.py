@@ -51,9 +51,10 @@ class WindowRows:
         """The row of each of this step's ``slots`` (scratch ``rows`` if none is left)."""
         if rows != self.rows:  # admission settled by the first layer (start-up): start over
             self.rows, self._row_of, self._free = rows, OrderedDict(), list(range(rows - 1, -1, -1))
-        batch = set(slots.tolist())
-        out = np.full(len(slots), rows, dtype=np.int32)
-        for i, s in enumerate(slots.tolist()):
+        ids = slots.tolist()
+        batch = set(ids)
+        out = np.full(len(ids), rows, dtype=np.int32)
+        for i, s in enumerate(ids):
             r = self._row_of.get(s)
             if r is None:
                 if self._free:

@@ -116,10 +116,3 @@ def pq_config_of(vc) -> PQConfig:
     """The PQConfig of a vLLM config."""
     model = vc.model_config.model if vc.model_config is not None else None
     return PQConfig.from_sources(vc.additional_config, model)
-
-
-def current_pq_config() -> PQConfig:
-    """The PQConfig of the running vLLM config (engine or worker process)."""
-    from vllm.config import get_current_vllm_config
-
-    return pq_config_of(get_current_vllm_config())

@@ -9,7 +9,7 @@ from vllm.v1.attention.backend import AttentionImpl, AttentionLayer, AttentionTy
 
 from . import codebooks, kernels, nearest, ops, reference
 from .backend import configured_m
-from .config import PQConfig, current_pq_config
+from .config import PQConfig, pq_config_of
 from .layout import PageLayout
 from .metadata import PQMetadata, prefill_page_tokens
 
@@ -143,7 +143,7 @@ class PQAttentionImpl(AttentionImpl[PQMetadata]):
                 f"KV cache (ngram, ngram_gpu, suffix, medusa, mlp_speculator), not "
                 f"{spec.method!r}: its draft layers would need PQ codebooks of their own."
             )
-        self.cfg: PQConfig = current_pq_config()
+        self.cfg: PQConfig = pq_config_of(vc)
         self.codebook_info = codebooks.read_info(self.cfg.codebook_file(head_size))
         codebooks.validate(
             self.codebook_info, vc.model_config.hf_config, self.cfg.m, self.cfg.m_v,

@@ -5,7 +5,8 @@ slots for both. CUSTOM is timed as the backend runs it (grid records for 2-D sub
 vllm_pq_backend/nearest.py) and with the full search over all 256 centroids. In prefill the store runs once per layer for every new token, so its time
 adds to every uncached prompt (eval/profile_prefill.py shows its share).
 
-Timed with CUDA events after warm-up, median of trials; random data (no zeros):
+Timed with CUDA events after warm-up, each call replayed from a CUDA graph, median of
+trials; random data (no zeros). 64 and 256 tokens are decode steps of that many requests:
 
     python eval/bench_store.py --out eval/results/store.json
 """
@@ -24,15 +25,26 @@ HKV, D, BLOCK = 8, 128, 128
 
 
 def timed(fn, reps: int = 20, trials: int = 7) -> float:
-    """Median microseconds of one call."""
+    """Median microseconds of one call: ``reps`` calls captured in one CUDA graph and
+    replayed, so that a decode step's small store times the GPU's work, not Python's
+    launch overhead (vLLM runs decode steps from CUDA graphs too)."""
     fn()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
     torch.cuda.synchronize()
     times = []
     for _ in range(trials):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(reps):
-            fn()
+        graph.replay()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1000 / reps)
@@ -77,7 +89,7 @@ def run(tokens: int, bits: int) -> list[dict]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tokens", type=int, nargs="+", default=[64, 1024, 16384])
+    p.add_argument("--tokens", type=int, nargs="+", default=[64, 256, 1024, 16384])
     p.add_argument("--bits", type=int, nargs="+", default=[4, 2])
     p.add_argument("--out", default="eval/results/store.json")
     args = p.parse_args()

@@ -20,7 +20,12 @@
 // index order, and the same fp32 scores pick among them, so the code is the full search's
 // (a token outside the record's box, or not finite, gets the full search). Large stores
 // take that path, 128 tokens per CTA (4 a lane) as the full search's large stores have.
+// A decode step's store (fewer than kManyTokens tokens) gives each (KV head, subspace) too
+// few tokens to pay for staging: its warps read the record and the listed centroids
+// through L1 instead (store_grid_l1_kernel).
 #include <math_constants.h>
+
+#include <cstdlib>
 
 #include "pq_common.cuh"
 
@@ -44,6 +49,16 @@ struct StoreCfg {
   static_assert(!Grid || DS == 2, "grid records are 2-D");
 };
 
+// |c|^2 / 2 of a centroid of DS floats, the one rounding sequence every store path uses
+// (NaN for the NaN-marked centroid: never nearest).
+template <int DS>
+__device__ __forceinline__ float half_sq_norm(const float* c) {
+  float sq = 0.f;
+#pragma unroll
+  for (int i = 0; i < DS; ++i) sq = __fmaf_rn(c[i], c[i], sq);
+  return 0.5f * sq;
+}
+
 // A CTA's group of mg subspaces into shared memory: centroids [kGroup][256][DS], then
 // their |c|^2 / 2 [kGroup][256] (returned). Both store kernels score with these, so the
 // grid search's scores are the full search's bit for bit.
@@ -53,14 +68,30 @@ __device__ __forceinline__ float* stage_centroids(const float* cb, int mg, float
   float4* s4 = reinterpret_cast<float4*>(smem);
   for (int i = threadIdx.x; i < mg * kCentroids * DS / 4; i += kStoreThreads) s4[i] = g4[i];
   float* half_norm = smem + kGroup * kCentroids * DS;
-  for (int j = threadIdx.x; j < mg * kCentroids; j += kStoreThreads) {
-    const float* cj = cb + (size_t)j * DS;
-    float sq = 0.f;
-#pragma unroll
-    for (int i = 0; i < DS; ++i) sq = __fmaf_rn(cj[i], cj[i], sq);
-    half_norm[j] = 0.5f * sq;  // NaN for the NaN-marked centroid: never nearest
-  }
+  for (int j = threadIdx.x; j < mg * kCentroids; j += kStoreThreads) half_norm[j] = half_sq_norm<DS>(cb + (size_t)j * DS);
   return half_norm;
+}
+
+// Whether none of a head vector's n elements is a NaN or an infinity (exponent bits all
+// ones). 16-byte loads where the row is aligned, as vLLM's K/V views of its qkv tensor are:
+// the lane of subspace 0 reads whole vectors, and element loads made it the slowest lane.
+template <typename T>
+__device__ __forceinline__ bool all_finite(const T* x, int n) {
+  constexpr uint32_t e = std::is_same_v<T, __half> ? 0x7c00u : 0x7f80u;
+  bool finite = true;  // & not &&: the loads need not wait for each other
+  if ((reinterpret_cast<uintptr_t>(x) & 15) == 0 && n % 8 == 0) {
+    const uint4* v = reinterpret_cast<const uint4*>(x);
+#pragma unroll 4
+    for (int i = 0; i < n / 8; ++i) {
+      const uint4 w = v[i];
+      const uint32_t u[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) finite &= (u[j] & e) != e & (u[j] & e << 16) != e << 16;
+    }
+  } else {
+    for (int i = 0; i < n; ++i) finite &= isfinite(Elem<T>::to_float(x[i]));
+  }
+  return finite;
 }
 
 // The code of token `t` goes into its page; subspace 0 of a non-finite vector gets nan_code.
@@ -68,12 +99,8 @@ template <typename T>
 __device__ __forceinline__ void write_code(const StoreArgs& a, const T* src, int64_t stride, bool is_v,
                                            int head, int m, int tok, int64_t slot, int code) {
   const Pages& pg = a.pages;
-  if (m == 0) {  // the whole head's vector: one non-finite element marks the token
-    const T* xh = src + tok * stride + (int64_t)head * a.head_dim;
-    bool finite = true;  // & not &&: the loads need not wait for each other
-    for (int i = 0; i < a.head_dim; ++i) finite &= isfinite(Elem<T>::to_float(xh[i]));
-    if (!finite) code = pg.lay.nan_code;
-  }
+  // the whole head's vector: one non-finite element marks the token
+  if (m == 0 && !all_finite(src + tok * stride + (int64_t)head * a.head_dim, a.head_dim)) code = pg.lay.nan_code;
   const int64_t blk = slot / pg.block_size, off = slot % pg.block_size;
   uint8_t* region = pg.base + blk * pg.block_stride + head * pg.head_stride;
   const int64_t pos = is_v ? pg.lay.v_off + (int64_t)m * pg.lay.v_sub + off
@@ -81,18 +108,37 @@ __device__ __forceinline__ void write_code(const StoreArgs& a, const T* src, int
   region[pos] = static_cast<uint8_t>(code);
 }
 
+// 2-D centroids staged in shared memory with their |c|^2 / 2 ...
+struct StagedCentroids {
+  const float* c;
+  const float* hn;
+  __device__ __forceinline__ float3 operator[](int k) const { return make_float3(c[2 * k], c[2 * k + 1], hn[k]); }
+};
+
+// ... or read through L1, |c|^2 / 2 computed as staging computes it (the same bits).
+struct CachedCentroids {
+  const float2* c;
+  __device__ __forceinline__ float3 operator[](int k) const {
+    const float2 v = __ldg(c + k);
+    const float f[2] = {v.x, v.y};
+    return make_float3(v.x, v.y, half_sq_norm<2>(f));
+  }
+};
+
 // Score of 2-D centroid k, |c|^2 / 2 - x.c, by the same fused multiply-adds as the full
 // search; the first minimum wins and a NaN never does.
-__device__ __forceinline__ void try_centroid(float x0, float x1, const float* c, const float* hn, int k,
-                                             float& best, int& code) {
-  const float score = __fmaf_rn(-x1, c[2 * k + 1], __fmaf_rn(-x0, c[2 * k], hn[k]));
+template <typename Centroids>
+__device__ __forceinline__ void try_centroid(float x0, float x1, const Centroids& cs, int k, float& best,
+                                             int& code) {
+  const float3 c = cs[k];
+  const float score = __fmaf_rn(-x1, c.y, __fmaf_rn(-x0, c.x, c.z));
   if (score < best) best = score, code = k;
 }
 
 // Grid records (nearest.py): 16 bytes lo[2], inv_w[2]; uint16 bins, offsets, lists, fine,
 // cells at byte 16.
-__device__ __forceinline__ int grid_code(float x0, float x1, const float* c, const float* hn,
-                                         const uint8_t* rec) {
+template <typename Centroids>
+__device__ __forceinline__ int grid_code(float x0, float x1, const Centroids& cs, const uint8_t* rec) {
   const float* f = reinterpret_cast<const float*>(rec);
   const uint16_t* sec = reinterpret_cast<const uint16_t*>(rec + 16);
   const float fx = (x0 - f[0]) * f[2], fy = (x1 - f[1]) * f[3];
@@ -104,9 +150,9 @@ __device__ __forceinline__ int grid_code(float x0, float x1, const float* c, con
     const int cell = bins[(int)fx] * sec[4] + bins[sec[3] + (int)fy];
     const uint16_t* offs = reinterpret_cast<const uint16_t*>(rec + sec[1]);
     const uint8_t* list = rec + sec[2];
-    for (int j = offs[cell]; j < offs[cell + 1]; ++j) try_centroid(x0, x1, c, hn, list[j], best, code);
+    for (int j = offs[cell]; j < offs[cell + 1]; ++j) try_centroid(x0, x1, cs, list[j], best, code);
   } else {
-    for (int k = 0; k < kCentroids; ++k) try_centroid(x0, x1, c, hn, k, best, code);
+    for (int k = 0; k < kCentroids; ++k) try_centroid(x0, x1, cs, k, best, code);
   }
   return code;
 }
@@ -150,9 +196,33 @@ __global__ void __launch_bounds__(kStoreThreads) store_grid_kernel(StoreArgs a, 
     const int64_t slot = a.slot_mapping[tok0 + t];
     if (slot < 0) continue;
     const T* xp = src + (tok0 + t) * stride + (int64_t)head * a.head_dim + m * 2;
-    const int code = grid_code(Elem<T>::to_float(xp[0]), Elem<T>::to_float(xp[1]), c, hn, rec);
+    const int code = grid_code(Elem<T>::to_float(xp[0]), Elem<T>::to_float(xp[1]), StagedCentroids{c, hn}, rec);
     write_code(a, src, stride, is_v, head, m, tok0 + t, slot, code);
   }
+}
+
+// Decode-sized stores of 2-D subspaces with grid records: warp w takes 32 tokens of
+// subspace w / token_warps, so the warps of one subspace are neighbours in a CTA and share
+// its record and centroids in L1, and a warp's loads of them touch a few cache lines (lanes
+// over subspaces instead, each load touched 32 records' lines and lost to the full search).
+template <typename T>
+__global__ void __launch_bounds__(kStoreThreads) store_grid_l1_kernel(StoreArgs a, int first_part, int token_warps) {
+  const int warp = blockIdx.x * (kStoreThreads / 32) + threadIdx.x / 32;
+  const bool is_v = first_part + (int)blockIdx.z == 1;
+  const int m_total = is_v ? a.m_v : a.m_k;
+  const int m = warp / token_warps, tok = (warp % token_warps) * 32 + threadIdx.x % 32;
+  if (m >= m_total || tok >= a.num_tokens) return;
+  const int64_t slot = a.slot_mapping[tok];
+  if (slot < 0) return;
+  const int head = blockIdx.y;
+  const size_t sub = (size_t)head * m_total + m;
+  const float2* c = reinterpret_cast<const float2*>(is_v ? a.v_cb : a.k_cb) + sub * kCentroids;
+  const uint8_t* rec = (is_v ? a.v_grid : a.k_grid) + sub * (is_v ? a.v_grid_bytes : a.k_grid_bytes);
+  const T* src = static_cast<const T*>(is_v ? a.value : a.key);
+  const int64_t stride = is_v ? a.value_stride : a.key_stride;
+  const T* xp = src + tok * stride + (int64_t)head * a.head_dim + m * 2;
+  const int code = grid_code(Elem<T>::to_float(xp[0]), Elem<T>::to_float(xp[1]), CachedCentroids{c}, rec);
+  write_code(a, src, stride, is_v, head, m, tok, slot, code);
 }
 
 template <typename T, int DS, int P>
@@ -244,19 +314,35 @@ cudaError_t launch_store_grid(const StoreArgs& a, int first_part, int parts, int
   return cudaGetLastError();
 }
 
+// Parts with grid records, decode-sized: a warp per (subspace, 32 tokens).
+template <typename T>
+cudaError_t launch_store_grid_l1(const StoreArgs& a, int first_part, int parts, int m, cudaStream_t stream) {
+  const int token_warps = ceil_div(a.num_tokens, 32);
+  dim3 grid(ceil_div(m * token_warps, kStoreThreads / 32), a.num_kv_heads, parts);
+  store_grid_l1_kernel<T><<<grid, kStoreThreads, 0, stream>>>(a, first_part, token_warps);
+  return cudaGetLastError();
+}
+
 // 4 tokens per thread once 128-token CTAs still number a few per SM (prefill); 1 below.
 constexpr int kManyTokens = 1024;
 
+// EXPERIMENT: the store size from which grid records are staged (PQ_STORE_STAGE_FROM).
+inline int stage_from() {
+  const char* e = getenv("PQ_STORE_STAGE_FROM");
+  return e ? atoi(e) : kManyTokens;
+}
+
 template <typename T, int DS>
 cudaError_t launch_store(const StoreArgs& a, int first_part, int parts, int m, cudaStream_t stream) {
-  if constexpr (DS <= 4) {
-    if (a.num_tokens >= kManyTokens) {
-      if constexpr (DS == 2) {
-        const bool k = first_part > 0 || a.k_grid, v = first_part + parts < 2 || a.v_grid;
-        if (k && v) return launch_store_grid<T>(a, first_part, parts, m, stream);
-      }
-      return launch_store<T, DS, 4>(a, first_part, parts, m, stream);
+  if constexpr (DS == 2) {
+    const bool k = first_part > 0 || a.k_grid, v = first_part + parts < 2 || a.v_grid;
+    if (k && v) {
+      return a.num_tokens >= stage_from() ? launch_store_grid<T>(a, first_part, parts, m, stream)
+                                          : launch_store_grid_l1<T>(a, first_part, parts, m, stream);
     }
+  }
+  if constexpr (DS <= 4) {
+    if (a.num_tokens >= kManyTokens) return launch_store<T, DS, 4>(a, first_part, parts, m, stream);
   }
   return launch_store<T, DS, 1>(a, first_part, parts, m, stream);
 }

@@ -252,23 +252,30 @@ def test_decode_nan_marked_tokens(window, sliding, g, lut):
     assert err.max() < TOL[torch.bfloat16]
 
 
-def test_store_marks_non_finite_vectors():
+@pytest.mark.parametrize("aligned", [True, False])
+@pytest.mark.parametrize("grid", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_store_marks_non_finite_vectors(aligned, grid, dtype):
     """A NaN or infinity anywhere in a (token, KV head)'s K or V: NAN_CODE in subspace 0
-    (reference.encode); finite vectors never get it, even on the NaN centroid's neighbours."""
+    (reference.encode); finite vectors never get it, even on the NaN centroid's neighbours.
+    Rows of K not 16-byte aligned take the element-wise check; K with grid records takes
+    the grid search."""
     gen = torch.Generator().manual_seed(5)
     hkv, d, block, n = 2, 128, 64, 300
     lay = PageLayout(block, 64, 32)
     cache = torch.zeros((8, hkv, block, lay.state_bytes), dtype=torch.uint8, device=DEV)
     slots = torch.randperm(8 * block, generator=gen)[:n].to(DEV)
-    key = torch.randn(n, hkv, d, generator=gen).to(DEV, torch.bfloat16)
-    value = torch.randn(n, hkv, d, generator=gen).to(DEV, torch.bfloat16)
+    pad = 0 if aligned else 1  # an odd row stride: most rows start off 16-byte boundaries
+    key = torch.randn(n, hkv * d + pad, generator=gen).to(DEV, dtype)[:, pad:].view(n, hkv, d)
+    value = torch.randn(n, hkv, d, generator=gen).to(DEV, dtype)
     key[5, 1, 17] = float("nan")
     key[9, 0, 127] = float("inf")
     value[20, 1, 100] = float("-inf")
     value[21, 0, 0] = float("nan")
     k_cb = codebooks.nan_marked(torch.randn(hkv, 64, 256, 2, generator=gen).to(DEV))
     v_cb = codebooks.nan_marked(torch.randn(hkv, 32, 256, 4, generator=gen).to(DEV))
-    torch.ops.pq_backend.store(cache, key, value, slots, k_cb, v_cb, NO_GRID, NO_GRID, *lay.kernel_args())
+    k_grid = nearest.build(k_cb) if grid else NO_GRID
+    torch.ops.pq_backend.store(cache, key, value, slots, k_cb, v_cb, k_grid, NO_GRID, *lay.kernel_args())
     kc, vc = reference.codes_at(cache, slots, lay)
     for codes, rows in ((kc, [(5, 1), (9, 0)]), (vc, [(20, 1), (21, 0)])):
         want = torch.zeros(n, hkv, dtype=torch.bool, device=DEV)
@@ -277,7 +284,7 @@ def test_store_marks_non_finite_vectors():
         assert torch.equal(codes[..., 0] == NAN_CODE, want)
     # the code comes from the layout's kernel arguments, not a constant of the kernel's own
     *args, _ = lay.kernel_args()
-    torch.ops.pq_backend.store(cache, key, value, slots, k_cb, v_cb, NO_GRID, NO_GRID, *args, 7)
+    torch.ops.pq_backend.store(cache, key, value, slots, k_cb, v_cb, k_grid, NO_GRID, *args, 7)
     kc, _ = reference.codes_at(cache, slots, lay)
     assert (kc[5, 1, 0], kc[9, 0, 0]) == (7, 7)
 
@@ -395,10 +402,11 @@ def test_store_kernel_matches_reference(d, m, m_v, dtype, n):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("d,m,m_v", [(64, 32, 32), (128, 64, 64), (128, 64, 32)])
 def test_store_grid_search_gives_the_full_search_codes(d, m, m_v, dtype):
-    """Large stores of 2-D subspaces look the nearest centroid up in grid cells
-    (nearest.py): every byte equals the full search's, for tokens near centroids, on ties
-    between two, on cell edges, far outside the grid and not finite; and the records are
-    really read (emptied lists change the codes)."""
+    """Stores of 2-D subspaces look the nearest centroid up in grid cells (nearest.py),
+    staged for large stores and read through L1 for decode-sized ones: every byte equals
+    the full search's, for tokens near centroids, on ties between two, on cell edges, far
+    outside the grid and not finite; and the records are really read (emptied lists change
+    the codes)."""
     gen = torch.Generator().manual_seed(d + m + m_v)
     hkv, block, n = 4, 64, 4096
     lay = PageLayout(block, m, m_v)
@@ -433,15 +441,18 @@ def test_store_grid_search_gives_the_full_search_codes(d, m, m_v, dtype):
     key, value = xs
     key[600, 1, 3], value[601, 2, 60] = float("nan"), float("inf")
 
-    def stored(kg, vg):
+    def stored(kg, vg, chunk=n):
         cache = torch.full((80, hkv, block, lay.state_bytes), 0xAB, dtype=torch.uint8, device=DEV)
-        torch.ops.pq_backend.store(cache, key, value, slots, books[0], books[1], kg, vg, *lay.kernel_args())
+        for s in range(0, n, chunk):  # chunks under 1024 tokens take the decode-sized kernel
+            torch.ops.pq_backend.store(cache, key[s:], value[s:], slots[s : s + chunk], books[0], books[1],
+                                       kg, vg, *lay.kernel_args())
         return cache
 
     full = stored(NO_GRID, NO_GRID)
-    for kg, vg in ((grids[0], grids[1]), (grids[0], NO_GRID), (NO_GRID, grids[1])):
-        got = stored(kg, vg)
-        assert torch.equal(got, full), int((got != full).sum())
+    for chunk in (n, 256, 37):
+        for kg, vg in ((grids[0], grids[1]), (grids[0], NO_GRID), (NO_GRID, grids[1])):
+            got = stored(kg, vg, chunk)
+            assert torch.equal(got, full), (chunk, int((got != full).sum()))
     empty = grids[0].clone()
     _, off_at, lists_at = nearest.sections()
     empty[..., off_at:lists_at] = 0  # every cell's list empty: code 0 inside the grids

@@ -25,8 +25,6 @@
 // through L1 instead (store_grid_l1_kernel).
 #include <math_constants.h>
 
-#include <cstdlib>
-
 #include "pq_common.cuh"
 
 namespace pq {
@@ -326,19 +324,14 @@ cudaError_t launch_store_grid_l1(const StoreArgs& a, int first_part, int parts, 
 // 4 tokens per thread once 128-token CTAs still number a few per SM (prefill); 1 below.
 constexpr int kManyTokens = 1024;
 
-// EXPERIMENT: the store size from which grid records are staged (PQ_STORE_STAGE_FROM).
-inline int stage_from() {
-  const char* e = getenv("PQ_STORE_STAGE_FROM");
-  return e ? atoi(e) : kManyTokens;
-}
-
 template <typename T, int DS>
 cudaError_t launch_store(const StoreArgs& a, int first_part, int parts, int m, cudaStream_t stream) {
   if constexpr (DS == 2) {
     const bool k = first_part > 0 || a.k_grid, v = first_part + parts < 2 || a.v_grid;
     if (k && v) {
-      return a.num_tokens >= stage_from() ? launch_store_grid<T>(a, first_part, parts, m, stream)
-                                          : launch_store_grid_l1<T>(a, first_part, parts, m, stream);
+      // staging pays from about kManyTokens (eval/results/store_l1_*: equal at 1024 tokens)
+      return a.num_tokens >= kManyTokens ? launch_store_grid<T>(a, first_part, parts, m, stream)
+                                         : launch_store_grid_l1<T>(a, first_part, parts, m, stream);
     }
   }
   if constexpr (DS <= 4) {

@@ -457,6 +457,7 @@ def test_store_grid_search_gives_the_full_search_codes(d, m, m_v, dtype):
     _, off_at, lists_at = nearest.sections()
     empty[..., off_at:lists_at] = 0  # every cell's list empty: code 0 inside the grids
     assert not torch.equal(stored(empty, grids[1]), full)
+    assert not torch.equal(stored(empty, grids[1], 256), full)
     with pytest.raises(RuntimeError, match="k_grid has shape"):
         stored(grids[0][:, :1], grids[1])
     with pytest.raises(RuntimeError, match="k_grid must be contiguous"):

@@ -1,6 +1,6 @@
 """The one list of decode kernel shapes: writes a translation unit per (dtype, head_dim)
-instantiating the kernel for every (Mk, Mv) that vllm_pq_backend/layout.py supports, so
-that ninja (or CI's nvcc check) compiles them in parallel, and the dispatch cases
+instantiating the kernel and its codebook image builder for every (Mk, Mv) that
+vllm_pq_backend/layout.py supports, so that ninja (or CI's nvcc check) compiles them in parallel, and the dispatch cases
 pq_decode.cu includes for them.
 
     python csrc/gen_units.py OUT_DIR    -> OUT_DIR/pq_decode_<dtype>_d<D>.cu
@@ -45,6 +45,8 @@ def units(out_dir: str) -> list[str]:
             path = os.path.join(out_dir, f"pq_decode_{tag}_d{d}.cu")
             _write(path, '#include "pq_decode.cuh"\nnamespace pq {\n' + "".join(
                 f"template cudaError_t launch_decode<{ctype}, {d}, {mk}, {mv}>(const DecodeArgs&, cudaStream_t);\n"
+                f"template cudaError_t launch_books<{ctype}, {d}, {mk}, {mv}>(uint8_t*, const void*, "
+                "const void*, int, cudaStream_t);\n"
                 for dd, mk, mv in shapes if dd == d
             ) + "}  // namespace pq\n")
             paths.append(path)

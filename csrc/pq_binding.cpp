@@ -1,4 +1,5 @@
-// Torch custom ops over the torch-free kernels: torch.ops.pq_backend.store / .decode.
+// Torch custom ops over the torch-free kernels: torch.ops.pq_backend.store / .decode /
+// .decode_books / .map.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
@@ -121,8 +122,28 @@ void store(Tensor kv_cache, const Tensor& key, const Tensor& value, const Tensor
   check_cuda(pq::store(a, at::cuda::getCurrentCUDAStream()), "store");
 }
 
+// The decode kernel's codebook image of one layer (pq_kernels.h): [kv_heads, bytes] uint8,
+// empty for head_dim 256.
+Tensor decode_books(const Tensor& k_cb, const Tensor& v_cb) {
+  const at::Device dev = k_cb.device();
+  TORCH_CHECK(dev.is_cuda(), "vllm_pq_backend: k_cb must be a CUDA tensor");
+  const at::cuda::OptionalCUDAGuard guard(dev);
+  const pq::DType dt = dtype_of(k_cb, "k_cb");
+  check(k_cb, "k_cb", dev, {-1, -1, 256, -1});
+  const int64_t heads = k_cb.size(0), d = k_cb.size(1) * k_cb.size(3);
+  const int64_t m_k = check_codebook(k_cb, "k_cb", dev, heads, d, k_cb.scalar_type());
+  const int64_t m_v = check_codebook(v_cb, "v_cb", dev, heads, d, k_cb.scalar_type());
+  const int bytes = pq::decode_books_bytes(static_cast<int>(d));
+  Tensor out = torch::zeros({bytes > 0 ? heads : 0, bytes}, k_cb.options().dtype(at::kByte));
+  check_cuda(pq::decode_books(out.data_ptr<uint8_t>(), k_cb.data_ptr(), v_cb.data_ptr(), static_cast<int>(out.size(0)),
+                              static_cast<int>(d), static_cast<int>(m_k), static_cast<int>(m_v), dt,
+                              at::cuda::getCurrentCUDAStream()),
+             "decode_books");
+  return out;
+}
+
 void decode(Tensor out, const Tensor& q, const Tensor& kv_cache, const Tensor& block_table,
-            const Tensor& seq_lens, const Tensor& k_cb, const Tensor& v_cb, const Tensor& win_k,
+            const Tensor& seq_lens, const Tensor& k_cb, const Tensor& v_cb, const Tensor& books, const Tensor& win_k,
             const Tensor& win_v, const Tensor& rows, const Tensor& new_k, const Tensor& new_v,
             int64_t window, int64_t sliding_window,
             int64_t num_splits, int64_t min_split, int64_t num_ctas, double scale, bool lut, Tensor ws_o, Tensor ws_lse, int64_t k_off,
@@ -171,6 +192,12 @@ void decode(Tensor out, const Tensor& q, const Tensor& kv_cache, const Tensor& b
   a.seq_lens = seq_lens.data_ptr<int32_t>();
   a.k_cb = k_cb.data_ptr();
   a.v_cb = v_cb.data_ptr();
+  if (const int bytes = pq::decode_books_bytes(static_cast<int>(d)); bytes > 0) {
+    check(books, "books", dev, {kv_heads, bytes});
+    check_dtype(books, "books", at::kByte);
+    TORCH_CHECK(books.is_contiguous(), "vllm_pq_backend: books must be contiguous (decode_books' output)");
+    a.books = books.data_ptr<uint8_t>();
+  }
   TORCH_CHECK(window >= 0, "vllm_pq_backend: window must be >= 0, got ", window);
   a.window = static_cast<int>(window);
   TORCH_CHECK(sliding_window == 0 || sliding_window > window, "vllm_pq_backend: sliding_window ", sliding_window,
@@ -262,13 +289,14 @@ void map_rows(std::vector<Tensor> out, const std::vector<Tensor>& x, const std::
 
 TORCH_LIBRARY(pq_backend, m) {
   m.def("map(Tensor(a!)[] out, Tensor[] x, Tensor[] t) -> ()");
+  m.def("decode_books(Tensor k_cb, Tensor v_cb) -> Tensor");
   m.def(
       "store(Tensor(a!) kv_cache, Tensor key, Tensor value, Tensor slot_mapping, Tensor k_cb, "
       "Tensor v_cb, Tensor k_grid, Tensor v_grid, int k_off, int k_tok, int v_off, int v_sub, "
       "int nan_code) -> ()");
   m.def(
       "decode(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
-      "Tensor k_cb, Tensor v_cb, Tensor(d!) win_k, Tensor(e!) win_v, Tensor rows, Tensor new_k, "
+      "Tensor k_cb, Tensor v_cb, Tensor books, Tensor(d!) win_k, Tensor(e!) win_v, Tensor rows, Tensor new_k, "
       "Tensor new_v, int window, int sliding_window, int num_splits, int min_split, int num_ctas, float scale, "
       "bool lut, Tensor(b!) ws_o, Tensor(c!) ws_lse, int k_off, int k_tok, int v_off, int v_sub, "
       "int nan_code) -> ()");
@@ -277,6 +305,7 @@ TORCH_LIBRARY(pq_backend, m) {
 TORCH_LIBRARY_IMPL(pq_backend, CUDA, m) {
   m.impl("store", &store);
   m.impl("decode", &decode);
+  m.impl("decode_books", &decode_books);
   m.impl("map", &map_rows);
 }
 

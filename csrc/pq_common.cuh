@@ -12,6 +12,12 @@ namespace pq {
 
 constexpr int kCentroids = 256;
 
+// Bytes of one KV head's codebook image for the decode kernel (pq_decode.cuh, DecodeCfg):
+// rows of 256 bytes, one per code, of K then V (head_dim 128) or both (64); none for 256.
+__host__ __device__ constexpr int book_image_bytes(int d) {
+  return d == 128 ? 2 * kCentroids * 256 : d == 64 ? kCentroids * 256 : 0;
+}
+
 template <typename T>
 struct Elem;
 

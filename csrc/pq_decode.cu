@@ -10,6 +10,8 @@ namespace pq {
 
 template <typename T, int D, int MK, int MV>
 cudaError_t launch_decode(const DecodeArgs& a, cudaStream_t stream);
+template <typename T, int D, int MK, int MV>
+cudaError_t launch_books(uint8_t* out, const void* k_cb, const void* v_cb, int kv_heads, cudaStream_t stream);
 
 namespace {
 
@@ -53,7 +55,28 @@ cudaError_t decode_typed(const DecodeArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+template <typename T>
+cudaError_t books_typed(uint8_t* out, const void* k_cb, const void* v_cb, int kv_heads, int head_dim, int m_k,
+                        int m_v, cudaStream_t stream) {
+  switch ((int64_t)head_dim * 1000000 + m_k * 1000 + m_v) {
+#define PQ_CASE(D, MK, MV) \
+  case D * 1000000 + MK * 1000 + MV: return launch_books<T, D, MK, MV>(out, k_cb, v_cb, kv_heads, stream);
+#include "pq_decode_shapes.inc"
+#undef PQ_CASE
+    default: return cudaErrorInvalidValue;
+  }
+}
+
 }  // namespace
+
+int decode_books_bytes(int head_dim) { return book_image_bytes(head_dim); }
+
+cudaError_t decode_books(uint8_t* out, const void* k_cb, const void* v_cb, int kv_heads, int head_dim, int m_k,
+                         int m_v, DType dtype, cudaStream_t stream) {
+  if (kv_heads == 0 || book_image_bytes(head_dim) == 0) return cudaSuccess;
+  return dtype == DType::kBFloat16 ? books_typed<__nv_bfloat16>(out, k_cb, v_cb, kv_heads, head_dim, m_k, m_v, stream)
+                                   : books_typed<__half>(out, k_cb, v_cb, kv_heads, head_dim, m_k, m_v, stream);
+}
 
 cudaError_t decode(const DecodeArgs& a, cudaStream_t stream) {
   if (a.num_reqs == 0) return cudaSuccess;

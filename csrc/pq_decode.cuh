@@ -12,6 +12,17 @@
 // per-query table q_m . centroid, built in shared memory in place of the K codebook:
 // M 4-byte lookups per token instead of M (D/M)-element lookups and idle MMA columns.
 //
+// Centroid lookups (head_dim <= 128) read a per-KV-head image of both codebooks in shared
+// memory (BookImage, built once per layer by decode_books): a row of 256 bytes per code, so
+// that a lookup's address is code * 256 + an offset fixed per lane and instruction, formed
+// by one byte permute. The lanes of one warp-wide lookup read distinct subspaces whose
+// entries sit in distinct banks, whatever the codes: no bank conflicts. The MMA fragments
+// tie a subspace to a lane column (K) or row (V), so lanes take their subspaces in a
+// rotated order (K by lane row within blocks of 8 / DWK subspaces, V by lane column within
+// blocks of NV tiles) and rotate the looked-up words back with selects. (The layout before,
+// with 8 lanes sharing a subspace, averaged 3 wavefronts per lookup:
+// eval/results/ncu_decode_*.)
+//
 // Fragment bookkeeping (lane = 4 r + c):
 // * Head dims are permuted for Q.K (a sum over dims): in k-step j thread c holds logical
 //   dims c*D/4 + 4j + {0..3}, i.e. whole subspaces c*M/4 .. of one token, read with one
@@ -52,6 +63,11 @@ struct DecodeCfg {
   static constexpr int DWV = DSV / 2; // words per V centroid
   static constexpr int NT = D / 16;   // m16 tiles of output dims
   static constexpr bool kCbSmem = D <= 128;
+  // Lookup rotation (see the header): K blocks of NK subspaces (the lane rows of one
+  // shared-memory phase: 32 / DWK lanes), V blocks of NV tiles (one per lane column).
+  static constexpr int NK = 8 / DWK;
+  static constexpr int NV = VSUB < 4 ? VSUB : 4;
+  static constexpr int RV = 8 / DWV;  // lane rows of one phase for V
   // 12 warps without prefetching the next chunk's codes (<= 168 registers) hide latency
   // better than 8 with it (246-251 registers): at 4 bits 0.86x FA3 instead of 0.85x at
   // 1K x 64, 1.33x instead of 1.16x at 32K x 8; 16 warps (128 registers, small spills)
@@ -60,7 +76,14 @@ struct DecodeCfg {
   static constexpr int kWarps = D <= 128 ? 12 : 8;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr bool kPrefetch = false;
-  static constexpr int kCbBytes = 2 * kCentroids * D * (int)sizeof(T);
+  // The codebook image (BookImage): rows of 256 bytes, one per code. head_dim 128: all K
+  // rows, then all V rows; head_dim 64: a row holds K's 128 bytes, then V's.
+  static constexpr int kRow = 256;
+  static constexpr int kVBase = D == 128 ? kCentroids * kRow : 2 * D;
+  static constexpr int kImgBytes = book_image_bytes(D);
+  // Q.centroid tables (LUT) in place of K's rows (head_dim 128) or after the image (64)
+  static constexpr int kLutOffset = D == 128 ? 0 : kImgBytes;
+  static constexpr int kCbBytes = D == 128 ? kImgBytes : kImgBytes + MK * kCentroids * 4;
   static constexpr int kRedBytes = kWarps * kHeadsPerCta * (D + 2) * (int)sizeof(float);
   // the codebooks stay for the next item: the cross-warp reduction has its own region
   static constexpr int kRedOffset = kCbSmem ? kCbBytes : 0;
@@ -68,41 +91,66 @@ struct DecodeCfg {
   static_assert(DSK >= 2 && DSK <= 8 && DSV >= 2 && DSV <= 8 && D % 16 == 0 && MK % 8 == 0 &&
                 MV % 8 == 0, "unsupported D/M");
   static_assert(VSUB * DWV == NT, "tiles");
+  static_assert(!kCbSmem || D == 64 || D == 128, "the codebook image has rows of 2 * 128 bytes");
+  static_assert(MQ % NK == 0 && VSUB % NV == 0, "rotation blocks");
 };
 
-// Shared-memory codebook layouts, in units of UW 32-bit words (a centroid, or one LUT
-// entry). Random codes make lookups land on random banks; confining the lanes that look
-// up together to a few banks lowers the expected conflict degree. K and LUT: lane quarter
-// c reads subspaces c*MQ .., so quarter c gets a quarter of each 128-byte row. V (DS = 2
-// only): lane row r reads subspaces 8q + r, so r gets an eighth. Both are permutations of
-// [subspace][code].
-template <int UW, int MQ>
-__device__ __forceinline__ int quarter_unit(int sub, int code) {
-  constexpr int row_units = 32 / UW, g = row_units / 4;
-  return ((sub % MQ) * (kCentroids / g) + code / g) * row_units + (sub / MQ) * g + code % g;
+// Where a centroid sits in the codebook image, as a 32-bit word of its code's row (K from
+// byte 0 of the row, V from byte kVBase). K subspace s = c * MQ + m is read by lane column c;
+// within a block of NK subspaces (m / NK), entry (c, m % NK) has a bank group of its own, so
+// the lanes of one phase (NK lane rows x 4 columns) reading NK distinct m of a block never
+// share a bank. V subspace s = 8q + r is read by lane row r; within a block of NV tiles the
+// entries of (q % NV, r % RV) have bank groups of their own, r / RV picks the phase's row.
+template <class C>
+__host__ __device__ constexpr int k_word(int s) {
+  const int c = s / C::MQ, m = s % C::MQ;
+  return (m / C::NK) * 32 + (c * C::NK + m % C::NK) * C::DWK;
 }
 
 template <class C>
-__device__ __forceinline__ int k_unit(int sub, int code) {
-  return quarter_unit<C::DWK, C::MQ>(sub, code);
+__host__ __device__ constexpr int v_word(int s) {
+  const int q = s / 8, r = s % 8;
+  return (((q / C::NV) * (8 / C::RV) + r / C::RV) * C::NV * C::RV + (q % C::NV) * C::RV + r % C::RV) * C::DWV;
 }
 
-template <class C>
-__device__ __forceinline__ int v_unit(int sub, int code) {
-  if constexpr (C::DWV > 1) {
-    return sub * kCentroids + code;
-  } else {
-    constexpr int g = 4;  // 32 units a row, 8 groups
-    return ((sub / 8) * (kCentroids / g) + code / g) * 32 + (sub % 8) * g + code % g;
+// The LUT's layout (floats): lane quarter c reads subspaces c*MQ .., so quarter c gets a
+// quarter of each 128-byte row (8 lanes share a subspace: conflicts remain, see the header).
+template <int MQ>
+__device__ __forceinline__ int lut_unit(int sub, int code) {
+  return ((sub % MQ) * (kCentroids / 8) + code / 8) * 32 + (sub / MQ) * 8 + code % 8;
+}
+
+// x[b][m][*] <- x[b][(m - amount) mod N][*] for the BLOCKS blocks of N entries of W words:
+// a barrel rotation, log2(N) rounds of selects.
+template <int N, int W, int BLOCKS>
+__device__ __forceinline__ void rotate_entries(uint32_t (&x)[BLOCKS * N * W], int amount) {
+#pragma unroll
+  for (int sh = 1; sh < N; sh <<= 1) {
+    const bool on = amount & sh;
+    uint32_t t[BLOCKS * N * W];
+#pragma unroll
+    for (int i = 0; i < BLOCKS * N * W; ++i) {
+      const int b = i / (N * W), m = i / W % N, w = i % W;
+      t[i] = on ? x[(b * N + (m - sh + N) % N) * W + w] : x[i];
+    }
+#pragma unroll
+    for (int i = 0; i < BLOCKS * N * W; ++i) x[i] = t[i];
   }
+}
+
+// One byte permute: code byte `kb` of `codes` times 256 plus byte `ob` (0 or 1) of `offs`,
+// whose bytes 2 and 3 are zero: a lookup's address in the image.
+// (kb and ob are constants once the loops around are unrolled: the selector is immediate.)
+__device__ __forceinline__ uint32_t row_address(uint32_t codes, uint32_t offs, int kb, int ob) {
+  return __byte_perm(codes, offs, (4 + ob) | (kb << 4) | (6 << 8) | (7 << 12));
 }
 
 // The code bytes a lane needs for one 32-token chunk.
 template <class C>
 struct ChunkCodes {
   uint32_t k[2][2][(C::MQ + 3) / 4];  // [half][row r | r+8][bytes]
-  uint32_t v[2][C::VSUB];             // [half][owned subspace]: tokens 8c+4h .. +3
-};
+  uint32_t v[2][C::VSUB];             // [half][tile slot]: tokens 8c+4h .. +3 of a tile
+};                                    // (slots hold the tiles rotated, see load_codes)
 
 __device__ __forceinline__ int k_token(int half, int r) { return 8 * (r >> 1) + 4 * half + (r & 1); }
 
@@ -110,6 +158,41 @@ __device__ __forceinline__ int k_token(int half, int r) { return 8 * (r >> 1) + 
 // Lookups address it through this symbol so that they compile to shared-memory loads
 // (through a pointer that may also be global they would be generic loads).
 extern __shared__ __align__(16) uint8_t pq_smem[];
+
+// A lane's constants for the image lookups: lookup j of a block reads K subspace
+// c*MQ + b*NK + (j + rk) % NK and V tile qb*NV + (j + rv) % NV.
+template <class C>
+struct LaneLookup {
+  uint32_t k_off[(C::NK + 1) / 2];  // image offsets (bytes within the block's rows) of
+  uint32_t v_off[(C::NV + 1) / 2];  // lookup j in byte j % 2 of word j / 2; bytes 2-3 zero
+  uint32_t k_rot[2];  // byte_perm selectors rotating code bytes by rk within blocks of NK
+  int rk, rv;
+
+  __device__ LaneLookup(int r, int c) {
+    rk = C::kCbSmem ? r % C::NK : 0;
+    rv = C::kCbSmem ? c % C::NV : 0;
+#pragma unroll
+    for (int i = 0; i < (C::NK + 1) / 2; ++i) k_off[i] = 0u;
+#pragma unroll
+    for (int i = 0; i < (C::NV + 1) / 2; ++i) v_off[i] = 0u;
+#pragma unroll
+    for (int j = 0; j < C::NK; ++j)
+      k_off[j / 2] |= (uint32_t)(4 * k_word<C>(c * C::MQ + (j + rk) % C::NK)) << (8 * (j % 2));
+#pragma unroll
+    for (int j = 0; j < C::NV; ++j)  // (block 0: under 256 bytes, the rest is per block)
+      v_off[j / 2] |= (uint32_t)(4 * v_word<C>(8 * ((j + rv) % C::NV) + r)) << (8 * (j % 2));
+    k_rot[0] = k_rot[1] = 0u;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      if constexpr (C::NK == 8) {  // a block is two words: select from both
+        k_rot[0] |= (uint32_t)((k + rk) % 8) << (4 * k);
+        k_rot[1] |= (uint32_t)((k + 4 + rk) % 8) << (4 * k);
+      } else {  // blocks within a word
+        k_rot[0] |= (uint32_t)((k / C::NK) * C::NK + (k + rk) % C::NK) << (4 * k);
+      }
+    }
+  }
+};
 
 template <typename T, int D, int MK, int MV>
 struct DecodeCta {
@@ -119,15 +202,25 @@ struct DecodeCta {
   const int32_t* bt;
   const T* kcb;  // this head's codebooks in global memory, [MK][256][DSK], [MV][256][DSV]
   const T* vcb;
-  const T* wk;   // this request's window rows [W][D]
-  const T* wv;
+  const uint8_t* img;  // this head's codebook image (head_dim <= 128)
+  const T* wk = nullptr;  // this request's window rows [W][D]
+  const T* wv = nullptr;
   int win_base;  // position of window slot 0
+  LaneLookup<C> lk;
+
+  __device__ DecodeCta(const DecodeArgs& a_, int req_, int hkv_, int r_, int c_, const int32_t* bt_, int win_base_)
+      : a(a_), req(req_), hkv(hkv_), r(r_), c(c_), bt(bt_),
+        kcb(static_cast<const T*>(a_.k_cb) + (int64_t)hkv_ * kCentroids * D),
+        vcb(static_cast<const T*>(a_.v_cb) + (int64_t)hkv_ * kCentroids * D),
+        img(a_.books + (int64_t)hkv_ * C::kImgBytes), win_base(win_base_), lk(r_, c_) {}
 
   __device__ const uint8_t* region(int t0) const {
     const int page = bt[t0 / a.pages.block_size];
     return a.pages.base + (int64_t)page * a.pages.block_stride + (int64_t)hkv * a.pages.head_stride;
   }
 
+  // K codes of this lane's tokens and quarter; V codes of its tiles, tile
+  // qb*NV + (j + rv) % NV in slot qb*NV + j (an 8-byte load covers both halves).
   __device__ void load_codes(int t0, ChunkCodes<C>& cc) const {
     const uint8_t* reg = region(t0);
     const int off0 = t0 % a.pages.block_size;
@@ -139,69 +232,98 @@ struct DecodeCta {
         const int tok = off0 + k_token(h, r) + 2 * e;
         load_bytes<C::MQ>(reg + L.k_off + tok * L.k_tok + c * C::MQ, cc.k[h][e]);
       }
+    }
 #pragma unroll
-      for (int q = 0; q < C::VSUB; ++q)
-        cc.v[h][q] = *reinterpret_cast<const uint32_t*>(
-            reg + L.v_off + (8 * q + r) * L.v_sub + off0 + 8 * c + 4 * h);
+    for (int i = 0; i < C::VSUB; ++i) {
+      const int q = (i / C::NV) * C::NV + (i % C::NV + lk.rv) % C::NV;
+      const uint2 x = *reinterpret_cast<const uint2*>(reg + L.v_off + (8 * q + r) * L.v_sub + off0 + 8 * c);
+      cc.v[0][i] = x.x;
+      cc.v[1][i] = x.y;
     }
   }
 
-  // K of one token, this lane's quarter of the dims, as packed pairs.
+  // K of one token, this lane's quarter of the dims (subspaces c*MQ .. in order), as words.
   template <bool WIN>
   __device__ void fetch_k(const ChunkCodes<C>& cc, int h, int e, int pos, uint32_t (&w)[C::KW]) const {
     if constexpr (WIN) {
       load_words<C::KW>(wk + (int64_t)win_slot(pos) * D + c * C::KQ, w);
+    } else if constexpr (C::kCbSmem) {
+      constexpr int NW = (C::MQ + 3) / 4;
+      uint32_t codes[NW];  // byte j of block b: subspace b*NK + (j + rk) % NK
+#pragma unroll
+      for (int i = 0; i < NW; ++i) {
+        if constexpr (C::NK == 8) {
+          codes[i] = __byte_perm(cc.k[h][e][i & ~1], cc.k[h][e][i | 1], lk.k_rot[i & 1]);
+        } else {
+          codes[i] = __byte_perm(cc.k[h][e][i], 0u, lk.k_rot[0]);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < C::MQ; ++i) {
+        const int j = i % C::NK;
+        const uint32_t at = row_address(codes[i / 4], lk.k_off[j / 2], i % 4, j % 2);
+        uint32_t cw[C::DWK];
+        load_words<C::DWK>(pq_smem + at + (i / C::NK) * 128, cw);
+#pragma unroll
+        for (int u = 0; u < C::DWK; ++u) w[i * C::DWK + u] = cw[u];
+      }
+      rotate_entries<C::NK, C::DWK, C::MQ / C::NK>(w, lk.rk);
     } else {
 #pragma unroll
       for (int mm = 0; mm < C::MQ; ++mm) {
-        const int code = byte_of(cc.k[h][e], mm);
-        uint32_t cw[C::DWK];
         const int sub = c * C::MQ + mm;
-        load_words<C::DWK>(k_book() + (C::kCbSmem ? k_unit<C>(sub, code) : sub * kCentroids + code) * C::DSK, cw);
+        uint32_t cw[C::DWK];
+        load_words<C::DWK>(kcb + (sub * kCentroids + byte_of(cc.k[h][e], mm)) * C::DSK, cw);
 #pragma unroll
         for (int u = 0; u < C::DWK; ++u) w[mm * C::DWK + u] = cw[u];
       }
     }
   }
 
-  // V of token `pos` in owned subspace q (dims (8q + r) * DS ..): byte k of `codes`, or
-  // its window row; zero for a window position that does not count (`valid`), whose row
-  // may hold anything.
+  // V of tokens tv .. tv + 3 (bytes 0..3 of `codes`, one word per tile slot) in tiles
+  // qb*NV .. qb*NV + NV - 1 (dims of subspaces 8q + r), in tile order; zero for a window
+  // position outside [k_lo, k_hi), whose row may hold anything.
   template <bool WIN>
-  __device__ void fetch_v(uint32_t codes, int q, int k, int pos, bool valid, uint32_t (&w)[C::DWV]) const {
-    const int s = 8 * q + r;
-    if constexpr (WIN) {
-      if (valid) {
-        load_words<C::DWV>(wv + (int64_t)win_slot(pos) * D + s * C::DSV, w);
-      } else {
+  __device__ void fetch_v(const uint32_t (&codes)[C::VSUB], int qb, int tv, int k_lo, int k_hi,
+                          uint32_t (&v)[4][C::NV * C::DWV]) const {
 #pragma unroll
-        for (int u = 0; u < C::DWV; ++u) w[u] = 0u;
+    for (int k = 0; k < 4; ++k) {
+#pragma unroll
+      for (int j = 0; j < C::NV; ++j) {
+        uint32_t cw[C::DWV];
+        const int s = 8 * (qb * C::NV + j) + r;
+        if constexpr (WIN) {
+          if (tv + k >= k_lo && tv + k < k_hi) {
+            load_words<C::DWV>(wv + (int64_t)win_slot(tv + k) * D + s * C::DSV, cw);
+          } else {
+#pragma unroll
+            for (int u = 0; u < C::DWV; ++u) cw[u] = 0u;
+          }
+        } else if constexpr (C::kCbSmem) {
+          const uint32_t at = row_address(codes[qb * C::NV + j], lk.v_off[j / 2], k, j % 2);
+          load_words<C::DWV>(pq_smem + C::kVBase + qb * 32 * C::NV * C::DWV + at, cw);
+        } else {
+          const int code = (codes[qb * C::NV + j] >> (8 * k)) & 0xff;
+          load_words<C::DWV>(vcb + (s * kCentroids + code) * C::DSV, cw);
+        }
+#pragma unroll
+        for (int u = 0; u < C::DWV; ++u) v[k][j * C::DWV + u] = cw[u];
       }
-    } else {
-      const int code = (codes >> (8 * k)) & 0xff;
-      load_words<C::DWV>(v_book() + (C::kCbSmem ? v_unit<C>(s, code) : s * kCentroids + code) * C::DSV, w);
+      if constexpr (!WIN && C::kCbSmem) rotate_entries<C::NV, C::DWV, 1>(v[k], lk.rv);
     }
   }
 
-  // The codebooks into shared memory in the lookup layouts. A 16-byte piece of the global
-  // [sub][code][DS] array is whole centroids of one subspace that k_unit / v_unit keep
-  // contiguous and 16-byte aligned, so every piece is one asynchronous copy, all in flight
-  // at once (the caller waits). With LUT the K part is each request's Q.centroid table
-  // (build_lut) instead.
+  // The codebook image into shared memory, every 16-byte piece one asynchronous copy, all
+  // in flight at once (the caller waits). With LUT the K part is each request's
+  // Q.centroid table (build_lut) instead.
   template <bool LUT>
   __device__ void load_books() const {
-    T* s = reinterpret_cast<T*>(pq_smem);
-    if constexpr (!LUT) {
-      constexpr int per = 16 / (2 * C::DSK);  // centroids per piece
-      for (int u = threadIdx.x * per; u < MK * kCentroids; u += C::kThreads * per)
-        cp_async16(s + k_unit<C>(u / kCentroids, u % kCentroids) * C::DSK, kcb + u * C::DSK);
-    }
-    constexpr int per = 16 / (2 * C::DSV);
-    for (int u = threadIdx.x * per; u < MV * kCentroids; u += C::kThreads * per)
-      cp_async16(s + kCentroids * D + v_unit<C>(u / kCentroids, u % kCentroids) * C::DSV, vcb + u * C::DSV);
+    const int lo = (LUT && D == 128) ? C::kVBase : 0;
+    for (int u = lo + 16 * threadIdx.x; u < C::kImgBytes; u += 16 * C::kThreads) cp_async16(pq_smem + u, img + u);
   }
 
   __device__ void build_lut(const T* qh) const {
+    float* lut = reinterpret_cast<float*>(pq_smem + C::kLutOffset);
     for (int u = threadIdx.x; u < MK * kCentroids; u += C::kThreads) {
       const int sub = u / kCentroids, code = u % kCentroids;
       uint32_t w[C::DWK];
@@ -210,17 +332,8 @@ struct DecodeCta {
       float dot = 0.f;
 #pragma unroll
       for (int i = 0; i < C::DSK; ++i) dot += Elem<T>::to_float(qh[sub * C::DSK + i]) * Elem<T>::to_float(cen[i]);
-      reinterpret_cast<float*>(pq_smem)[quarter_unit<1, C::MQ>(sub, code)] = dot;
+      lut[lut_unit<C::MQ>(sub, code)] = dot;
     }
-  }
-
-  __device__ const T* k_book() const {
-    if constexpr (C::kCbSmem) return reinterpret_cast<const T*>(pq_smem);
-    else return kcb;
-  }
-  __device__ const T* v_book() const {
-    if constexpr (C::kCbSmem) return reinterpret_cast<const T*>(pq_smem) + kCentroids * D;
-    else return vcb;
   }
 
   __device__ int win_slot(int pos) const {
@@ -266,16 +379,9 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int r = lane >> 2, c = lane & 3;
   const int slots = a.num_splits;
-  // This head's codebooks in global memory (recomputed where used: registers are tight).
-  auto books = [&](int i) {
-    return static_cast<const T*>(i ? a.v_cb : a.k_cb) + (int64_t)hkv * kCentroids * D;
-  };
   // The codebooks, once for all of this CTA's items, in flight while the first codes load.
   bool books_ready = !C::kCbSmem;
-  if constexpr (C::kCbSmem) {
-    DecodeCta<T, D, MK, MV>{a, 0, hkv, r, c, nullptr, books(0), books(1), nullptr, nullptr, 0}
-        .template load_books<LUT>();
-  }
+  if constexpr (C::kCbSmem) DecodeCta<T, D, MK, MV>(a, 0, hkv, r, c, nullptr, 0).template load_books<LUT>();
 
   for (int item = blockIdx.x; item < a.num_reqs * slots; item += gridDim.x) {
     const int req = item / slots, slot = item % slots;
@@ -299,8 +405,7 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
       continue;
     }
 
-    DecodeCta<T, D, MK, MV> cta{a, req, hkv, r, c, a.block_table + (int64_t)req * a.bt_stride,
-                                books(0), books(1), nullptr, nullptr, n_codes};
+    DecodeCta<T, D, MK, MV> cta(a, req, hkv, r, c, a.block_table + (int64_t)req * a.bt_stride, n_codes);
     if (has_win) {
       const int64_t row = ((int64_t)a.rows[req] * a.num_kv_heads + hkv) * a.window * D;
       cta.wk = static_cast<const T*>(a.win_k) + row;
@@ -349,12 +454,12 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
         if constexpr (LUT && !WIN) {
           // Partial sums over this lane's subspaces, then over the 4 lanes of the row;
           // every column (query head slot) gets the one head's score.
-          const float* lut = reinterpret_cast<const float*>(pq_smem);
+          const float* lut = reinterpret_cast<const float*>(pq_smem + C::kLutOffset);
           float sa = 0.f, sb = 0.f;
   #pragma unroll
           for (int mm = 0; mm < C::MQ; ++mm) {
-            sa += lut[quarter_unit<1, C::MQ>(c * C::MQ + mm, byte_of(cc.k[h][0], mm))];
-            sb += lut[quarter_unit<1, C::MQ>(c * C::MQ + mm, byte_of(cc.k[h][1], mm))];
+            sa += lut[lut_unit<C::MQ>(c * C::MQ + mm, byte_of(cc.k[h][0], mm))];
+            sb += lut[lut_unit<C::MQ>(c * C::MQ + mm, byte_of(cc.k[h][1], mm))];
           }
           sa += __shfl_xor_sync(0xffffffffu, sa, 1);
           sb += __shfl_xor_sync(0xffffffffu, sb, 1);
@@ -406,28 +511,30 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
         const uint32_t pb1 = movmatrix_trans(Elem<T>::pack(p[h][2], p[h][3]));
         const int tv = t0 + 8 * c + 4 * h;
         // P is 0 for keys outside [k_lo, k_hi), but 0 * NaN is NaN: such keys must not bring
-        // in the NaN centroid of layout.NAN_CODE (subspace 0: q = 0, r = 0; stale page bytes,
+        // in the NaN centroid of layout.NAN_CODE (subspace 0: tile 0, r = 0; stale page bytes,
         // keys before a sliding window), so their subspace-0 codes read centroid 0 instead.
-        uint32_t v0 = 0u;
-        if constexpr (!WIN) {
-          v0 = cc.v[h][0];
-          if (r == 0 && (t0 < k_lo || t0 + kChunk > k_hi)) {  // edge chunks only
+        uint32_t cv[C::VSUB];
   #pragma unroll
-            for (int k = 0; k < 4; ++k)
-              if (tv + k < k_lo || tv + k >= k_hi) v0 &= ~(0xffu << (8 * k));
+        for (int i = 0; i < C::VSUB; ++i) cv[i] = cc.v[h][i];
+        if constexpr (!WIN) {
+          if (r == 0 && (t0 < k_lo || t0 + kChunk > k_hi)) {  // edge chunks only
+            const int slot0 = (C::NV - cta.lk.rv) % C::NV;  // tile 0's slot (load_codes)
+  #pragma unroll
+            for (int j = 0; j < C::NV; ++j)
+  #pragma unroll
+              for (int k = 0; k < 4; ++k)
+                if (j == slot0 && (tv + k < k_lo || tv + k >= k_hi)) cv[j] &= ~(0xffu << (8 * k));
           }
         }
   #pragma unroll
-        for (int q = 0; q < C::VSUB; ++q) {
-          uint32_t v[4][C::DWV];
+        for (int qb = 0; qb < C::VSUB / C::NV; ++qb) {
+          uint32_t v[4][C::NV * C::DWV];
+          cta.template fetch_v<WIN>(cv, qb, tv, k_lo, k_hi, v);
   #pragma unroll
-          for (int k = 0; k < 4; ++k)
-            cta.template fetch_v<WIN>(q == 0 ? v0 : cc.v[h][q], q, k, tv + k, tv + k >= k_lo && tv + k < k_hi, v[k]);
-  #pragma unroll
-          for (int u = 0; u < C::DWV; ++u) {
-            const uint32_t fa[4] = {__byte_perm(v[0][u], v[1][u], 0x5410), __byte_perm(v[0][u], v[1][u], 0x7632),
-                                    __byte_perm(v[2][u], v[3][u], 0x5410), __byte_perm(v[2][u], v[3][u], 0x7632)};
-            mma<T>(o[q * C::DWV + u], fa, pb0, pb1);
+          for (int i = 0; i < C::NV * C::DWV; ++i) {
+            const uint32_t fa[4] = {__byte_perm(v[0][i], v[1][i], 0x5410), __byte_perm(v[0][i], v[1][i], 0x7632),
+                                    __byte_perm(v[2][i], v[3][i], 0x5410), __byte_perm(v[2][i], v[3][i], 0x7632)};
+            mma<T>(o[qb * C::NV * C::DWV + i], fa, pb0, pb1);
           }
         }
       }
@@ -509,6 +616,34 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
     }
   }
   if constexpr (C::kCbSmem) cp_async_wait_all();  // no copy outlives the CTA (items all empty)
+}
+
+// Every KV head's codebook image: K entry (s, code) at code * kRow + 4 k_word(s), V entry
+// at kVBase + code * kRow + 4 v_word(s). A block per KV head; run once per layer.
+template <typename T, int D, int MK, int MV>
+__global__ void books_kernel(uint8_t* out, const T* k_cb, const T* v_cb) {
+  using C = DecodeCfg<T, D, MK, MV>;
+  uint8_t* img = out + (int64_t)blockIdx.x * C::kImgBytes;
+  for (int u = threadIdx.x; u < (MK + MV) * kCentroids; u += blockDim.x) {
+    const bool is_v = u >= MK * kCentroids;
+    const int uu = is_v ? u - MK * kCentroids : u, s = uu / kCentroids, code = uu % kCentroids;
+    const int ds = is_v ? C::DSV : C::DSK;
+    const T* src = (is_v ? v_cb : k_cb) + ((int64_t)blockIdx.x * (is_v ? MV : MK) * kCentroids + uu) * ds;
+    T* dst = reinterpret_cast<T*>(img + (is_v ? C::kVBase : 0) + code * C::kRow +
+                                  4 * (is_v ? v_word<C>(s) : k_word<C>(s)));
+    for (int i = 0; i < ds; ++i) dst[i] = src[i];
+  }
+}
+
+template <typename T, int D, int MK, int MV>
+cudaError_t launch_books(uint8_t* out, const void* k_cb, const void* v_cb, int kv_heads, cudaStream_t stream) {
+  if constexpr (DecodeCfg<T, D, MK, MV>::kCbSmem) {
+    books_kernel<T, D, MK, MV><<<kv_heads, 256, 0, stream>>>(out, static_cast<const T*>(k_cb),
+                                                              static_cast<const T*>(v_cb));
+    return cudaGetLastError();
+  } else {
+    return cudaSuccess;  // head_dim 256: no image
+  }
 }
 
 template <typename T, int D, int MK, int MV, bool LUT>

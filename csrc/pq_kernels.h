@@ -54,6 +54,7 @@ struct DecodeArgs {
   const int32_t* seq_lens;  // [R], context length including the query token
   const void* k_cb;         // [kv_heads, Mk, 256, D/Mk] activation dtype
   const void* v_cb;         // [kv_heads, Mv, 256, D/Mv]
+  const uint8_t* books;     // [kv_heads, decode_books_bytes(D)]: decode_books of k_cb, v_cb
   void* win_k;              // [rows, kv_heads, W, D] or null
   void* win_v;
   const int32_t* rows;      // [R] window row of each request, or null
@@ -99,5 +100,12 @@ struct MapArgs {
 cudaError_t store(const StoreArgs& a, cudaStream_t stream);
 cudaError_t map_rows(const MapArgs& a, cudaStream_t stream);
 cudaError_t decode(const DecodeArgs& a, cudaStream_t stream);
+
+// The decode kernel's shared-memory image of a layer's codebooks (csrc/pq_decode.cuh), built
+// once per layer: out [kv_heads, decode_books_bytes(head_dim)] from k_cb / v_cb laid out as
+// in DecodeArgs. head_dim 256 has none (0 bytes): its decode reads the codebooks directly.
+int decode_books_bytes(int head_dim);
+cudaError_t decode_books(uint8_t* out, const void* k_cb, const void* v_cb, int kv_heads, int head_dim,
+                         int m_k, int m_v, DType dtype, cudaStream_t stream);
 
 }  // namespace pq

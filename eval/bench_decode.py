@@ -90,6 +90,7 @@ def bench_pq(batch, ctx, ms, gen, hq=HQ, hkv=HKV, lut=False, per_item=False, min
                           device="cuda", generator=gen)
     bf16 = dict(device="cuda", generator=gen, dtype=torch.bfloat16)
     cb = [torch.randn(hkv, m, 256, D // m, **bf16) for m in ms]
+    books = torch.ops.pq_backend.decode_books(*cb)  # the kernel's shared-memory image, once
     rows = torch.arange(batch, dtype=torch.int32, device="cuda")
     win = [torch.randn(batch, hkv, WINDOW, D, **bf16) for _ in range(2)]
     q = torch.randn(batch, hq, D, **bf16)
@@ -104,7 +105,7 @@ def bench_pq(batch, ctx, ms, gen, hq=HQ, hkv=HKV, lut=False, per_item=False, min
     ws_lse = torch.empty(batch * hq * splits, device="cuda")
 
     def run(i):
-        torch.ops.pq_backend.decode(out, q, cache, tables[i], seq, cb[0], cb[1], win[0], win[1],
+        torch.ops.pq_backend.decode(out, q, cache, tables[i], seq, cb[0], cb[1], books, win[0], win[1],
                                     rows, new_kv[0], new_kv[1], WINDOW, 0, splits, min_split, ctas,
                                     D**-0.5,
                                     lut, ws_o, ws_lse,

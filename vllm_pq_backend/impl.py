@@ -29,6 +29,9 @@ class LayerState:
         self.k_cb32 = codebooks.nan_marked(k32).to(device)
         self.v_cb32 = codebooks.nan_marked(v32).to(device)
         self.k_cb, self.v_cb = self.k_cb32.to(dtype), self.v_cb32.to(dtype)  # attend
+        # the decode kernel's shared-memory image of both (csrc/pq_decode.cuh), built once
+        self.books = (torch.ops.pq_backend.decode_books(self.k_cb, self.v_cb) if ops.use_kernels(self.k_cb)
+                      else self.k_cb.new_empty(0, dtype=torch.uint8))
         # the store kernel's cells of 2-D subspaces (nearest.py; empty: the full search)
         on_gpu = torch.device(device).type == "cuda"
         self.k_grid, self.v_grid = (nearest.build(cb) if on_gpu else cb.new_empty(0, dtype=torch.uint8)
@@ -267,7 +270,8 @@ def _log_memory(impl: PQAttentionImpl, st: LayerState) -> None:
     esz = st.k_cb.element_size()  # the model's activation dtype: what a dense cache holds
     per_token = impl.num_kv_heads * st.layout.state_bytes * layers
     dense = 2 * impl.num_kv_heads * impl.head_size * esz * layers
-    books = (2 * st.k_cb32.numel() * (4 + esz) + st.k_grid.numel() + st.v_grid.numel()) * layers
+    books = (2 * st.k_cb32.numel() * (4 + esz) + st.k_grid.numel() + st.v_grid.numel()
+             + st.books.numel()) * layers
     if st.window > 0:
         sched = impl._vllm_config.scheduler_config
         rows = st.win_k.shape[0] - 1

@@ -148,7 +148,7 @@ def decode(out, query, key, value, kv_cache, md, state, scale: float) -> None:
         # with a window, the kernel first writes each token's key and value into it
         torch.ops.pq_backend.decode(
             out[:nd], query[:nd], kv_cache, md.block_table[:nd], md.seq_lens[:nd],
-            state.k_cb, state.v_cb,
+            state.k_cb, state.v_cb, state.books,
             state.win_k if w > 0 else empty(), state.win_v if w > 0 else empty(),
             md.req_rows[:nd] if w > 0 else md.seq_lens.new_empty(0),
             key[:nd] if w > 0 else empty(), value[:nd] if w > 0 else empty(),

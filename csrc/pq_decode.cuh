@@ -13,15 +13,18 @@
 // M 4-byte lookups per token instead of M (D/M)-element lookups and idle MMA columns.
 //
 // Centroid lookups (head_dim <= 128) read a per-KV-head image of both codebooks in shared
-// memory (BookImage, built once per layer by decode_books): a row of 256 bytes per code, so
+// memory (k_word / v_word, built once per layer by decode_books): a row of 256 bytes per code, so
 // that a lookup's address is code * 256 + an offset fixed per lane and instruction, formed
 // by one byte permute. The lanes of one warp-wide lookup read distinct subspaces whose
 // entries sit in distinct banks, whatever the codes: no bank conflicts. The MMA fragments
 // tie a subspace to a lane column (K) or row (V), so lanes take their subspaces in a
 // rotated order (K by lane row within blocks of 8 / DWK subspaces, V by lane column within
 // blocks of NV tiles) and rotate the looked-up words back with selects. (The layout before,
-// with 8 lanes sharing a subspace, averaged 3 wavefronts per lookup:
-// eval/results/ncu_decode_*.)
+// which spread each subspace over a few banks by code, averaged 3 wavefronts per lookup:
+// eval/results/ncu_decode/.) Where a V block has fewer than 4 tiles (head_dim 64 at 2 bits
+// and below, head_dim 128 at 1 bit) lane columns share tiles: 2- or 4-way conflicts remain.
+//
+// V codes: one 8-byte load per tile gives a lane its tokens 8c .. 8c+7 (both halves).
 //
 // Fragment bookkeeping (lane = 4 r + c):
 // * Head dims are permuted for Q.K (a sum over dims): in k-step j thread c holds logical
@@ -29,7 +32,7 @@
 //   vector load of its M/4 codes.
 // * Tokens are permuted inside a 32-token chunk (a sum over tokens): PV k-index kk of
 //   half h is token 8*(kk%8/2) + 4h + 2*(kk/8) + kk%2, so a thread's PV columns are 4
-//   consecutive tokens: one 32-bit load of V codes per owned subspace (8q + r).
+//   consecutive tokens: one 32-bit word of V codes per owned subspace (8q + r) and half.
 // * Output dims are permuted back at the end: tile (q, u) rows r / r+8 are dims
 //   (8q + r) * D/M + 2u + {0, 1}.
 // Scores go through exp2 with scale*log2(e); partial results are normalized with their
@@ -76,7 +79,7 @@ struct DecodeCfg {
   static constexpr int kWarps = D <= 128 ? 12 : 8;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr bool kPrefetch = false;
-  // The codebook image (BookImage): rows of 256 bytes, one per code. head_dim 128: all K
+  // The codebook image (k_word / v_word): rows of 256 bytes, one per code. head_dim 128: all K
   // rows, then all V rows; head_dim 64: a row holds K's 128 bytes, then V's.
   static constexpr int kRow = 256;
   static constexpr int kVBase = D == 128 ? kCentroids * kRow : 2 * D;

@@ -508,7 +508,7 @@ def test_decode_rejects_bad_inputs(bad, message):
         "cpu_seq": dict(seq=c["seq"].cpu()),
         "heads": dict(q=c["q"][:, :3], out=torch.empty_like(c["q"][:, :3])),
         "books_shape": dict(books=books(c)[:1]),
-        "books_dtype": dict(books=books(c).view(torch.int16)),
+        "books_dtype": dict(books=books(c).to(torch.int16)),
     }[bad]
     with pytest.raises(RuntimeError, match=message):
         torch.ops.pq_backend.decode(*_decode_args(c, **over))

@@ -71,11 +71,12 @@ struct DecodeCfg {
   static constexpr int NK = 8 / DWK;
   static constexpr int NV = VSUB < 4 ? VSUB : 4;
   static constexpr int RV = 8 / DWV;  // lane rows of one phase for V
-  // 12 warps without prefetching the next chunk's codes (<= 168 registers) hide latency
-  // better than 8 with it (246-251 registers): at 4 bits 0.86x FA3 instead of 0.85x at
-  // 1K x 64, 1.33x instead of 1.16x at 32K x 8; 16 warps (128 registers, small spills)
-  // were within 2% of 12 (eval/results/decode_variants_h200.json). head_dim 256 keeps 8:
-  // its codebooks stay in global memory and its fragments need the registers.
+  // 12 warps without prefetching the next chunk's codes (<= 168 registers) hid latency
+  // better than 8 with it (246-251 registers) with the lookup layout before the codebook
+  // image: at 4 bits 0.86x FA3 instead of 0.85x at 1K x 64, 1.33x instead of 1.16x at
+  // 32K x 8; 16 warps (128 registers, small spills) were within 2% of 12
+  // (eval/results/decode_variants/; not yet measured again with the image). head_dim 256
+  // keeps 8: its codebooks stay in global memory and its fragments need the registers.
   static constexpr int kWarps = D <= 128 ? 12 : 8;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr bool kPrefetch = false;

@@ -56,7 +56,7 @@ def paged_case(lens, *, d, m, g, hkv, block, dtype, window, seed, lut=False, m_v
     return case
 
 
-def books(c):
+def book_image(c):
     """The decode kernel's codebook image of the case's (current) codebooks."""
     return torch.ops.pq_backend.decode_books(c["k_cb"], c["v_cb"])
 
@@ -70,7 +70,7 @@ def run_kernel(c, splits, ctas=0, min_split=0):
     ws_lse = torch.full((r * hq * splits,), float("nan"), device=DEV)
     empty = c["q"].new_empty(0)
     torch.ops.pq_backend.decode(
-        out, c["q"], c["cache"], c["table"], c["seq"], c["k_cb"], c["v_cb"], books(c), c["win_k"],
+        out, c["q"], c["cache"], c["table"], c["seq"], c["k_cb"], c["v_cb"], book_image(c), c["win_k"],
         c["win_v"], c["rows"], c.get("new_k", empty), c.get("new_v", empty), c["window"],
         c["sliding"], splits, min_split, ctas, c["scale"], c["lut"], ws_o, ws_lse,
         *c["lay"].kernel_args(),
@@ -341,7 +341,7 @@ def test_decode_replays_in_a_cuda_graph():
     out = torch.empty_like(c["q"])
     ws_o = torch.empty(r * hq * 5 * d, device=DEV)
     ws_lse = torch.empty(r * hq * 5, device=DEV)
-    empty, image = c["q"].new_empty(0), books(c)
+    empty, image = c["q"].new_empty(0), book_image(c)
     args = lambda: (out, c["q"], c["cache"], c["table"], c["seq"], c["k_cb"], c["v_cb"],  # noqa: E731
                     image, c["win_k"], c["win_v"], c["rows"], empty, empty, 128, 0, 4, 0, 3, c["scale"],
                     False, ws_o, ws_lse, *c["lay"].kernel_args())
@@ -473,7 +473,7 @@ def _decode_args(c, **over):
     r, hq, d = c["q"].shape
     empty = c["q"].new_empty(0)
     args = dict(out=torch.empty_like(c["q"]), q=c["q"], cache=c["cache"], table=c["table"],
-                seq=c["seq"], k_cb=c["k_cb"], v_cb=c["v_cb"], books=books(c), win_k=c["win_k"],
+                seq=c["seq"], k_cb=c["k_cb"], v_cb=c["v_cb"], books=book_image(c), win_k=c["win_k"],
                 win_v=c["win_v"],
                 rows=c["rows"], new_k=empty, new_v=empty, window=c["window"], sliding=0, splits=2,
                 min_split=0, ctas=0, scale=c["scale"], lut=False,
@@ -507,8 +507,8 @@ def test_decode_rejects_bad_inputs(bad, message):
         "win_shape": dict(win_k=c["win_k"][:, :, :64]),
         "cpu_seq": dict(seq=c["seq"].cpu()),
         "heads": dict(q=c["q"][:, :3], out=torch.empty_like(c["q"][:, :3])),
-        "books_shape": dict(books=books(c)[:1]),
-        "books_dtype": dict(books=books(c).to(torch.int16)),
+        "books_shape": dict(books=book_image(c)[:1]),
+        "books_dtype": dict(books=book_image(c).to(torch.int16)),
     }[bad]
     with pytest.raises(RuntimeError, match=message):
         torch.ops.pq_backend.decode(*_decode_args(c, **over))

@@ -108,6 +108,28 @@ __device__ __forceinline__ void store_words(void* p, const uint32_t (&w)[N]) {
   *static_cast<Words<N>*>(p) = v;
 }
 
+// N 32-bit words from a shared-memory address (a shared-window address, as
+// __cvta_generic_to_shared gives): the caller forms the whole address itself, with no base
+// register added per load. Volatile: kept after the barrier that publishes the data.
+template <int N>
+__device__ __forceinline__ void lds_words(uint32_t addr, uint32_t (&w)[N]) {
+  if constexpr (N == 1) {
+    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(w[0]) : "r"(addr));
+  } else if constexpr (N == 2) {
+    asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(w[0]), "=r"(w[1]) : "r"(addr));
+  } else {
+    static_assert(N == 4, "one load of 1, 2 or 4 words");
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(addr));
+  }
+}
+
+__device__ __forceinline__ uint32_t dynamic_smem_bytes() {
+  uint32_t n;
+  asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(n));
+  return n;
+}
+
 // Asynchronous 16-byte global -> shared copy (L2 only: codebooks are read once per CTA).
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));

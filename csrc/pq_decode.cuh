@@ -89,14 +89,23 @@ struct DecodeCfg {
   static constexpr int kLutOffset = D == 128 ? 0 : kImgBytes;
   static constexpr int kCbBytes = D == 128 ? kImgBytes : kImgBytes + MK * kCentroids * 4;
   static constexpr int kRedBytes = kWarps * kHeadsPerCta * (D + 2) * (int)sizeof(float);
-  // the codebooks stay for the next item: the cross-warp reduction has its own region
-  static constexpr int kRedOffset = kCbSmem ? kCbBytes : 0;
-  static constexpr int kSmem = kRedOffset + kRedBytes;
+  // Dynamic shared memory: the cross-warp reduction from byte 0 (the codebooks stay for the
+  // next item: it has a region of its own), then the codebook image at img_at(base), the first
+  // offset past the reduction whose shared-window address (base: that of byte 0) is a multiple
+  // of 64 KB. A lookup's whole address (bits 16+ of the image's, the code, the lane's offset)
+  // is then one byte permute, where adding a base register cost an instruction per lookup.
+  static constexpr int kVImm = kVBase % 65536;  // V rows: image bits 16+ plus 1 at head_dim 128
+  __host__ __device__ static constexpr int img_at(uint32_t base) {
+    return kRedBytes + (int)((0x10000u - ((base + kRedBytes) & 0xffffu)) & 0xffffu);
+  }
+  // `reserved`: where the window's dynamic shared memory starts (the driver's reserved bytes)
+  static constexpr int smem_bytes(int reserved) { return kCbSmem ? img_at(reserved) + kCbBytes : kRedBytes; }
   static_assert(DSK >= 2 && DSK <= 8 && DSV >= 2 && DSV <= 8 && D % 16 == 0 && MK % 8 == 0 &&
                 MV % 8 == 0, "unsupported D/M");
   static_assert(VSUB * DWV == NT, "tiles");
   static_assert(!kCbSmem || D == 64 || D == 128, "the codebook image has rows of 2 * 128 bytes");
   static_assert(MQ % NK == 0 && VSUB % NV == 0, "rotation blocks");
+  static_assert(!kCbSmem || kVBase % 65536 == 0 || kVBase < 256, "V rows at the next 64 KB or within a row");
 };
 
 // Where a centroid sits in the codebook image, as a 32-bit word of its code's row (K from
@@ -143,7 +152,7 @@ __device__ __forceinline__ void rotate_entries(uint32_t (&x)[BLOCKS * N * W], in
 }
 
 // One byte permute: code byte `kb` of `codes` times 256 plus byte `ob` (0 or 1) of `offs`,
-// whose bytes 2 and 3 are zero: a lookup's address in the image.
+// plus bytes 2 and 3 of `offs` as bits 16-31: a lookup's shared-window address.
 // (kb and ob are constants once the loops around are unrolled: the selector is immediate.)
 __device__ __forceinline__ uint32_t row_address(uint32_t codes, uint32_t offs, int kb, int ob) {
   return __byte_perm(codes, offs, (4 + ob) | (kb << 4) | (6 << 8) | (7 << 12));
@@ -158,9 +167,9 @@ struct ChunkCodes {
 
 __device__ __forceinline__ int k_token(int half, int r) { return 8 * (r >> 1) + 4 * half + (r & 1); }
 
-// Dynamic shared memory: the codebooks while scoring, then the cross-warp reduction.
-// Lookups address it through this symbol so that they compile to shared-memory loads
-// (through a pointer that may also be global they would be generic loads).
+// Dynamic shared memory (DecodeCfg: the cross-warp reduction, then the codebook image).
+// Addressed through this symbol so that accesses compile to shared-memory loads (through a
+// pointer that may also be global they would be generic loads).
 extern __shared__ __align__(16) uint8_t pq_smem[];
 
 // A lane's constants for the image lookups: lookup j of a block reads K subspace
@@ -168,17 +177,19 @@ extern __shared__ __align__(16) uint8_t pq_smem[];
 template <class C>
 struct LaneLookup {
   uint32_t k_off[(C::NK + 1) / 2];  // image offsets (bytes within the block's rows) of
-  uint32_t v_off[(C::NV + 1) / 2];  // lookup j in byte j % 2 of word j / 2; bytes 2-3 zero
+  uint32_t v_off[(C::NV + 1) / 2];  // lookup j in byte j % 2 of word j / 2; bytes 2-3: bits
+                                    // 16-31 of the K / V rows' shared-window address
   uint32_t k_rot[2];  // byte_perm selectors rotating code bytes by rk within blocks of NK
   int rk, rv;
 
-  __device__ LaneLookup(int r, int c) {
+  // hi: bits 16-31 of the image's shared-window address (its low 16 bits are zero)
+  __device__ LaneLookup(int r, int c, uint32_t hi) {
     rk = C::kCbSmem ? r % C::NK : 0;
     rv = C::kCbSmem ? c % C::NV : 0;
 #pragma unroll
-    for (int i = 0; i < (C::NK + 1) / 2; ++i) k_off[i] = 0u;
+    for (int i = 0; i < (C::NK + 1) / 2; ++i) k_off[i] = hi << 16;
 #pragma unroll
-    for (int i = 0; i < (C::NV + 1) / 2; ++i) v_off[i] = 0u;
+    for (int i = 0; i < (C::NV + 1) / 2; ++i) v_off[i] = (hi + C::kVBase / 65536) << 16;
 #pragma unroll
     for (int j = 0; j < C::NK; ++j)
       k_off[j / 2] |= (uint32_t)(4 * k_word<C>(c * C::MQ + (j + rk) % C::NK)) << (8 * (j % 2));
@@ -207,16 +218,19 @@ struct DecodeCta {
   const T* kcb;  // this head's codebooks in global memory, [MK][256][DSK], [MV][256][DSV]
   const T* vcb;
   const uint8_t* img;  // this head's codebook image (head_dim <= 128)
+  uint8_t* bsm;        // where it sits in shared memory (DecodeCfg::img_at)
   const T* wk = nullptr;  // this request's window rows [W][D]
   const T* wv = nullptr;
   int win_base;  // position of window slot 0
   LaneLookup<C> lk;
 
-  __device__ DecodeCta(const DecodeArgs& a_, int req_, int hkv_, int r_, int c_, const int32_t* bt_, int win_base_)
+  __device__ DecodeCta(const DecodeArgs& a_, int req_, int hkv_, int r_, int c_, const int32_t* bt_, int win_base_,
+                       int img_at)
       : a(a_), req(req_), hkv(hkv_), r(r_), c(c_), bt(bt_),
         kcb(static_cast<const T*>(a_.k_cb) + (int64_t)hkv_ * kCentroids * D),
         vcb(static_cast<const T*>(a_.v_cb) + (int64_t)hkv_ * kCentroids * D),
-        img(a_.books + (int64_t)hkv_ * C::kImgBytes), win_base(win_base_), lk(r_, c_) {}
+        img(a_.books + (int64_t)hkv_ * C::kImgBytes), bsm(pq_smem + img_at), win_base(win_base_),
+        lk(r_, c_, static_cast<uint32_t>(__cvta_generic_to_shared(bsm)) >> 16) {}
 
   __device__ const uint8_t* region(int t0) const {
     const int page = bt[t0 / a.pages.block_size];
@@ -267,7 +281,7 @@ struct DecodeCta {
         const int j = i % C::NK;
         const uint32_t at = row_address(codes[i / 4], lk.k_off[j / 2], i % 4, j % 2);
         uint32_t cw[C::DWK];
-        load_words<C::DWK>(pq_smem + at + (i / C::NK) * 128, cw);
+        lds_words<C::DWK>(at + (i / C::NK) * 128, cw);
 #pragma unroll
         for (int u = 0; u < C::DWK; ++u) w[i * C::DWK + u] = cw[u];
       }
@@ -305,7 +319,7 @@ struct DecodeCta {
           }
         } else if constexpr (C::kCbSmem) {
           const uint32_t at = row_address(codes[qb * C::NV + j], lk.v_off[j / 2], k, j % 2);
-          load_words<C::DWV>(pq_smem + C::kVBase + qb * 32 * C::NV * C::DWV + at, cw);
+          lds_words<C::DWV>(at + C::kVImm + qb * 32 * C::NV * C::DWV, cw);
         } else {
           const int code = (codes[qb * C::NV + j] >> (8 * k)) & 0xff;
           load_words<C::DWV>(vcb + (s * kCentroids + code) * C::DSV, cw);
@@ -323,11 +337,11 @@ struct DecodeCta {
   template <bool LUT>
   __device__ void load_books() const {
     const int lo = (LUT && D == 128) ? C::kVBase : 0;
-    for (int u = lo + 16 * threadIdx.x; u < C::kImgBytes; u += 16 * C::kThreads) cp_async16(pq_smem + u, img + u);
+    for (int u = lo + 16 * threadIdx.x; u < C::kImgBytes; u += 16 * C::kThreads) cp_async16(bsm + u, img + u);
   }
 
   __device__ void build_lut(const T* qh) const {
-    float* lut = reinterpret_cast<float*>(pq_smem + C::kLutOffset);
+    float* lut = reinterpret_cast<float*>(bsm + C::kLutOffset);
     for (int u = threadIdx.x; u < MK * kCentroids; u += C::kThreads) {
       const int sub = u / kCentroids, code = u % kCentroids;
       uint32_t w[C::DWK];
@@ -383,9 +397,12 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int r = lane >> 2, c = lane & 3;
   const int slots = a.num_splits;
+  const int img_at = C::img_at(static_cast<uint32_t>(__cvta_generic_to_shared(pq_smem)));
+  // (the launch sized shared memory for the window starting at the reserved bytes)
+  if (C::kCbSmem && img_at + C::kCbBytes > (int)dynamic_smem_bytes()) __trap();
   // The codebooks, once for all of this CTA's items, in flight while the first codes load.
   bool books_ready = !C::kCbSmem;
-  if constexpr (C::kCbSmem) DecodeCta<T, D, MK, MV>(a, 0, hkv, r, c, nullptr, 0).template load_books<LUT>();
+  if constexpr (C::kCbSmem) DecodeCta<T, D, MK, MV>(a, 0, hkv, r, c, nullptr, 0, img_at).template load_books<LUT>();
 
   for (int item = blockIdx.x; item < a.num_reqs * slots; item += gridDim.x) {
     const int req = item / slots, slot = item % slots;
@@ -409,7 +426,7 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
       continue;
     }
 
-    DecodeCta<T, D, MK, MV> cta(a, req, hkv, r, c, a.block_table + (int64_t)req * a.bt_stride, n_codes);
+    DecodeCta<T, D, MK, MV> cta(a, req, hkv, r, c, a.block_table + (int64_t)req * a.bt_stride, n_codes, img_at);
     if (has_win) {
       const int64_t row = ((int64_t)a.rows[req] * a.num_kv_heads + hkv) * a.window * D;
       cta.wk = static_cast<const T*>(a.win_k) + row;
@@ -458,7 +475,7 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
         if constexpr (LUT && !WIN) {
           // Partial sums over this lane's subspaces, then over the 4 lanes of the row;
           // every column (query head slot) gets the one head's score.
-          const float* lut = reinterpret_cast<const float*>(pq_smem + C::kLutOffset);
+          const float* lut = reinterpret_cast<const float*>(cta.bsm + C::kLutOffset);
           float sa = 0.f, sb = 0.f;
   #pragma unroll
           for (int mm = 0; mm < C::MQ; ++mm) {
@@ -488,7 +505,8 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
         s[h][3] = vb ? acc[3] * scale : -CUDART_INF_F;
       }
       // Online softmax for this lane's heads 2c (e = 0) and 2c + 1 (e = 1).
-      float p[2][4];
+      float p[2][4], alpha[2];
+      bool moved = false;
   #pragma unroll
       for (int e = 0; e < 2; ++e) {
         float mx = fmaxf(fmaxf(s[0][e], s[0][e + 2]), fmaxf(s[1][e], s[1][e + 2]));
@@ -497,16 +515,24 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
         const float m_new = fmaxf(m_run[e], mx);
         const float m_use = m_new == -CUDART_INF_F ? 0.f : m_new;
-        const float alpha = exp2f(m_run[e] - m_use);
+        alpha[e] = exp2f(m_run[e] - m_use);
   #pragma unroll
         for (int h = 0; h < 2; ++h) {
           p[h][e] = exp2f(s[h][e] - m_use);
           p[h][e + 2] = exp2f(s[h][e + 2] - m_use);
         }
-        l_run[e] = l_run[e] * alpha + (p[0][e] + p[0][e + 2]) + (p[1][e] + p[1][e + 2]);
-  #pragma unroll
-        for (int i = 0; i < C::NT; ++i) o[i][e] *= alpha, o[i][e + 2] *= alpha;
+        l_run[e] = l_run[e] * alpha[e] + (p[0][e] + p[0][e + 2]) + (p[1][e] + p[1][e + 2]);
+        moved |= m_new != m_run[e];
         m_run[e] = m_new;
+      }
+      // O is rescaled only when some lane's running max moved, which past the first chunks
+      // of a split is rare; otherwise alpha is 1 (or O is 0: both maxima -inf) and the
+      // result is the same bit for bit.
+      if (__any_sync(0xffffffffu, moved)) {
+  #pragma unroll
+        for (int e = 0; e < 2; ++e)
+  #pragma unroll
+          for (int i = 0; i < C::NT; ++i) o[i][e] *= alpha[e], o[i][e + 2] *= alpha[e];
       }
       // O^T += V^T P per half: P^T fragments by transposing the score fragments.
   #pragma unroll
@@ -585,7 +611,7 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
       l_run[e] += __shfl_xor_sync(0xffffffffu, l_run[e], 16);
     }
     __syncthreads();  // the previous item's readers of the reduction region are done
-    float* red = reinterpret_cast<float*>(pq_smem + C::kRedOffset);  // [warp][head][D + 2]
+    float* red = reinterpret_cast<float*>(pq_smem);  // [warp][head][D + 2]
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       float* dst = red + (warp * kHeadsPerCta + 2 * c + e) * (D + 2);
@@ -654,13 +680,17 @@ template <typename T, int D, int MK, int MV, bool LUT>
 cudaError_t launch_kernel(const DecodeArgs& a, cudaStream_t stream) {
   using C = DecodeCfg<T, D, MK, MV>;
   // Set per call, not cached per process: the attribute belongs to the current device.
-  const cudaError_t attr = cudaFuncSetAttribute(
-      decode_kernel<T, D, MK, MV, LUT>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
-  if (attr != cudaSuccess) return attr;
+  int dev = 0, reserved = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev);
+  if (err != cudaSuccess) return err;
+  const int smem = C::smem_bytes(reserved);
+  err = cudaFuncSetAttribute(decode_kernel<T, D, MK, MV, LUT>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return err;
   const int group = a.num_heads / a.num_kv_heads;
   const int items = a.num_reqs * a.num_splits;
   dim3 grid(a.num_ctas > 0 ? min(a.num_ctas, items) : items, a.num_kv_heads * ceil_div(group, kHeadsPerCta));
-  decode_kernel<T, D, MK, MV, LUT><<<grid, C::kThreads, C::kSmem, stream>>>(a);
+  decode_kernel<T, D, MK, MV, LUT><<<grid, C::kThreads, smem, stream>>>(a);
   return cudaGetLastError();
 }
 

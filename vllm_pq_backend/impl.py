@@ -36,6 +36,12 @@ class LayerState:
         on_gpu = torch.device(device).type == "cuda"
         self.k_grid, self.v_grid = (nearest.build(cb) if on_gpu else cb.new_empty(0, dtype=torch.uint8)
                                     for cb in (self.k_cb32, self.v_cb32))
+        if on_gpu and not torch.cuda.is_current_stream_capturing():
+            # The builds run in vLLM's profiling pass, whose allocator setting
+            # (max_split_size_mb=20) gives each of their hundreds of 1-10 MiB temporaries a
+            # fresh 20 MiB segment that no smaller request reuses: about 9 GiB more reserved
+            # per build until the GPU is full (eval/results/startup_memory_a4b2020/).
+            torch.cuda.empty_cache()
         # The codebooks' linear maps (codebooks.py): keys k T_k, queries q T_k^-T (q.k is
         # unchanged), values v T_v and outputs o T_v^-1. Everything after them (store,
         # window, kernels, prefill) works in the mapped frame. fp32: a bf16 map would

@@ -526,8 +526,8 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
         m_run[e] = m_new;
       }
       // O is rescaled only when some lane's running max moved, which past the first chunks
-      // of a split is rare; otherwise alpha is 1 (or O is 0: both maxima -inf) and the
-      // result is the same bit for bit.
+      // of a split is rare; otherwise alpha is 1, or both maxima are -inf and O holds only
+      // zeros or NaN, which alpha = 0 leaves as they are: the same result bit for bit.
       if (__any_sync(0xffffffffu, moved)) {
   #pragma unroll
         for (int e = 0; e < 2; ++e)

@@ -9,6 +9,12 @@ by total time, so that two backends can be compared op by op:
 With --decode-tokens N the profiled call is `generate(max_tokens=1 + N)` of prompts the
 warm-up call already prefilled (prefix caching: only their last partial block runs
 again), so its kernels are N decode steps at --prompt-tokens context and batch --batch.
+
+With --mix N the call is N fresh prompts at most --batch running at once, each with an
+output length drawn from 64-192 tokens: as under a serving load of about --batch clients,
+most steps decode and every few steps one request's prefill joins them. The mix is timed
+once unprofiled (seconds_unprofiled) before the profiled call, and the header gives the
+GPU's kernel time against the wall time (how much of the step the CPU leaves idle).
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--decode-tokens", type=int, default=0,
                    help="profile this many decode steps of the warm-up's prompts instead")
+    p.add_argument("--mix", type=int, default=0,
+                   help="profile this many prompts, --batch at a time, outputs of 64-192 tokens")
     p.add_argument("--rows", type=int, default=40, help="rows of each table")
     p.add_argument("--out", required=True)
     args = p.parse_args()
@@ -45,31 +53,53 @@ def main() -> int:
 
     rng = random.Random(0)
 
-    def prompts():
+    def prompts(n=args.batch):
         return [TokensPrompt(prompt_token_ids=[rng.randrange(1000, 120000)
                                                for _ in range(args.prompt_tokens)])
-                for _ in range(args.batch)]
+                for _ in range(n)]
+
+    def mix_params(n):  # the same output lengths for every backend
+        lengths = random.Random(1).choices(range(64, 193), k=n)
+        return [SamplingParams(max_tokens=t, temperature=0.0, ignore_eos=True,
+                               detokenize=False) for t in lengths]
 
     backend_kw, name = engine_backend(args.backend, args.m)
+    max_tokens = 192 if args.mix else args.decode_tokens
     llm = LLM(model=make_model_dir(args.m), load_format="dummy", skip_tokenizer_init=True,
-              dtype="bfloat16", max_model_len=args.prompt_tokens + args.decode_tokens + 16,
-              max_num_seqs=max(256, args.batch), enable_prefix_caching=True, seed=0,
-              gpu_memory_utilization=0.9, **backend_kw)
+              dtype="bfloat16", max_model_len=args.prompt_tokens + max_tokens + 16,
+              max_num_seqs=args.batch if args.mix else max(256, args.batch),
+              enable_prefix_caching=True, seed=0, gpu_memory_utilization=0.9, **backend_kw)
     sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
     warm = prompts()
     llm.generate(warm, sp, use_tqdm=False)  # warm-up: compiles, graphs, autotuning
     torch.cuda.synchronize()
-    if args.decode_tokens:
+    extra = {}
+    if args.mix:
+        llm.generate(prompts(), mix_params(args.batch), use_tqdm=False)  # mixed steps' warm-up
+        t0 = time.perf_counter()
+        out = llm.generate(prompts(args.mix), mix_params(args.mix), use_tqdm=False)
+        torch.cuda.synchronize()
+        unprofiled = time.perf_counter() - t0
+        tokens = sum(len(o.outputs[0].token_ids) for o in out)
+        extra = dict(mix=args.mix, output_tokens=tokens, seconds_unprofiled=round(unprofiled, 4),
+                     output_tok_per_s=round(tokens / unprofiled, 1))
+        todo, sp = prompts(args.mix), mix_params(args.mix)
+    elif args.decode_tokens:
+        todo = warm
         sp = SamplingParams(max_tokens=1 + args.decode_tokens, temperature=0.0,
                             ignore_eos=True, detokenize=False)
+    else:
+        todo = prompts()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
-        llm.generate(warm if args.decode_tokens else prompts(), sp, use_tqdm=False)
+        llm.generate(todo, sp, use_tqdm=False)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
     events = prof.key_averages()
+    kernel_s = sum(e.self_device_time_total for e in events) / 1e6
     head = dict(provenance(), backend=name, prompt_tokens=args.prompt_tokens, batch=args.batch,
-                decode_tokens=args.decode_tokens, seconds_profiled=round(seconds, 4))
+                decode_tokens=args.decode_tokens, **extra, seconds_profiled=round(seconds, 4),
+                gpu_kernel_s=round(kernel_s, 4))
     with open(args.out, "w") as f:
         f.write(json.dumps(head) + "\n\n")
         f.write("GPU kernels by self device time\n")

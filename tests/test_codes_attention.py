@@ -125,7 +125,7 @@ def test_nan_marked_key_reaches_only_its_readers(ca):
 def test_plan_takes_few_rows_over_long_histories(ca):
     """A prefix-cache hit (16 rows after 8K) goes to the kernel; a fresh 2K-token prompt
     (every row over little history) stays on FlashAttention over dequantized pages."""
-    shape = dict(group=4, head_dim=128, kv_heads=8, num_sms=132, device="cpu")
+    shape = dict(group=4, head_dim=128, kv_heads=8, num_sms=132)
     hit = ca.plan([(0, 0, 16, 8192)], **shape, num_requests=1, max_len=8208)
     assert hit is not None and hit.max_keys == 8208
     assert hit.tiles[2].tolist() == [16] and hit.splits > 1  # one tile: splits fill the GPU

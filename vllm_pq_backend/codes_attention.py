@@ -175,11 +175,21 @@ class CodesShape(NamedTuple):
 
 @dataclass
 class CodesPlan:
-    """One prefill group's codes part on this kernel (metadata.plan_prefill)."""
+    """One prefill group's codes part on this kernel (metadata.plan_prefill). The tile
+    arrays are int32, numpy as planned and device tensors once the step's plans are sent
+    (metadata.upload)."""
 
-    tiles: tuple[torch.Tensor, ...]  # device int32: request, first row, rows, first position
     splits: int
     max_keys: int
+    tile_req: np.ndarray | torch.Tensor
+    tile_row: np.ndarray | torch.Tensor
+    tile_rows: np.ndarray | torch.Tensor
+    tile_pos: np.ndarray | torch.Tensor
+
+    @property
+    def tiles(self) -> tuple:
+        """(request, first row, rows, first position) of each tile: codes_attention's."""
+        return self.tile_req, self.tile_row, self.tile_rows, self.tile_pos
 
 
 # Query rows per key of history below which this kernel is used instead of dequantizing
@@ -193,7 +203,7 @@ SPLIT_BYTES = 256 << 20  # at most this much fp32 split output per call (codes_a
 
 
 def plan(runs: list[tuple[int, int, int, int]], group: int, head_dim: int, kv_heads: int,
-         num_sms: int, device, num_requests: int, max_len: int) -> CodesPlan | None:
+         num_sms: int, num_requests: int, max_len: int) -> CodesPlan | None:
     """The kernel's tiles for ``runs`` of query rows (request, first row, rows, position of
     the first row) of a group of ``num_requests`` whose longest is ``max_len`` tokens, or
     None where FlashAttention over the group's dequantized pages costs less: there the
@@ -206,11 +216,7 @@ def plan(runs: list[tuple[int, int, int, int]], group: int, head_dim: int, kv_he
         return None
     tiles = plan_tiles(*zip(*runs), group, head_dim)
     max_keys = max(p + n for _, _, n, p in runs)
-    return CodesPlan(
-        tiles=tuple(torch.as_tensor(t, device=device) for t in tiles),
-        splits=num_splits(len(tiles[0]), kv_heads, max_keys, num_sms),
-        max_keys=max_keys,
-    )
+    return CodesPlan(num_splits(len(tiles[0]), kv_heads, max_keys, num_sms), max_keys, *tiles)
 
 
 def codes_attention(q, kv_cache, block_table, k_cb, v_cb, layout: PageLayout, tiles,

@@ -113,6 +113,9 @@ class PrefillPlan:
     code_max_q: int = 0
     code_len: torch.Tensor | None = None
     code_req: torch.Tensor | None = None
+    code_table: torch.Tensor | None = None  # page_table[code_req]
+    code_out: torch.Tensor | None = None  # the real code_rows: the output rows merged
+    code_src: torch.Tensor | None = None  # their rows in the codes part's result
     # batch-invariant mode, window > 0: each segment a request of its own whose last page is
     # a copy of its page (group-local index seg_page) with the segment's keys written at
     # fp_dst (rows of those copies flattened to tokens); seg_table/seg_end its pages/length
@@ -126,6 +129,7 @@ class PrefillPlan:
     win_tokens: torch.Tensor | None = None  # rows written to the window store afterwards
     win_rows: torch.Tensor | None = None
     win_pos: torch.Tensor | None = None
+    win_slots: torch.Tensor | None = None  # win_pos % window
     tok_start: int = 0
     tok_end: int = 0
     req_start: int = 0
@@ -157,12 +161,42 @@ class PQMetadata(AttentionMetadata):
     ws_lse: torch.Tensor | None = None
 
 
-def _i32(x, device):
-    return torch.as_tensor(np.asarray(x, dtype=np.int32), device=device)
+def upload(arrays: list[np.ndarray], device) -> list[torch.Tensor]:
+    """The arrays on ``device``, sent in one copy from pinned memory that does not wait
+    for the GPU. ``torch.as_tensor(array, device=cuda)`` copies from pageable memory and
+    then synchronizes the stream: the CPU would wait for the step the GPU is still running,
+    and vLLM's async scheduling would have nothing left to overlap with it. (PyTorch's
+    pinned allocator keeps the buffer until the copy has run.) Each array starts 16-byte
+    aligned, as Triton specializes its kernels on pointer alignment."""
+    device = torch.device(device)
+    arrays = [np.ascontiguousarray(a) for a in arrays]
+    offsets, size = [], 0
+    for a in arrays:
+        offsets.append(size)
+        size += -(-a.nbytes // 16) * 16
+    host = torch.empty(size, dtype=torch.uint8, pin_memory=device.type == "cuda" and size > 0)
+    staged = host.numpy()
+    for a, at in zip(arrays, offsets):
+        staged[at : at + a.nbytes] = a.reshape(-1).view(np.uint8)
+    sent = host.to(device, non_blocking=True)
+    return [sent[at : at + a.nbytes].view(torch.from_numpy(a[:0]).dtype).view(a.shape)
+            for a, at in zip(arrays, offsets)]
 
 
-def _i64(x, device):
-    return torch.as_tensor(np.asarray(x, dtype=np.int64), device=device)
+class Uploads:
+    """Plan fields waiting for their device tensors: every one of a step's plans in one
+    ``upload`` (``send``)."""
+
+    def __init__(self) -> None:
+        self._fields: list[tuple[object, str, np.ndarray]] = []
+
+    def put(self, obj, name: str, x, dtype) -> None:
+        self._fields.append((obj, name, np.asarray(x, dtype=dtype)))
+
+    def send(self, device) -> None:
+        sent = upload([x for _, _, x in self._fields], device)
+        for (obj, name, _), t in zip(self._fields, sent):
+            setattr(obj, name, t)
 
 
 def plan_prefill(
@@ -172,7 +206,7 @@ def plan_prefill(
     block_size: int,
     window: int,
     rows: list[int] | None,
-    device,
+    uploads: Uploads,
     batch_invariant: bool = False,
     pad_codes: bool = False,
     codes_shape: CodesShape | None = None,
@@ -180,7 +214,8 @@ def plan_prefill(
     """``pad_codes`` (sliding-window layers): each segment's codes-part rows run on to the
     segment's end with copies of its last row, so that every real row is exactly ``window``
     after the position FlashAttention aligns it to (ops._prefill_fa). ``codes_shape``:
-    plan the codes part for codes_attention's kernel where it takes it."""
+    plan the codes part for codes_attention's kernel where it takes it. The integer
+    arrays go to ``uploads`` (their fields are set when it is sent)."""
     starts = (qsl - qsl[0]).astype(np.int64)
     q_lens = np.diff(starts)
     lens = seq_lens.astype(np.int64)
@@ -193,12 +228,14 @@ def plan_prefill(
         seq_lens_cpu=lens.tolist(),
         rows_cpu=rows,
         block_ids=block_table[:, :nb].flatten(),
-        page_table=_i32(pages_of, device),
-        cu_q=_i32(starts, device),
+        page_table=None,
+        cu_q=None,
         max_q=int(q_lens.max()),
-        seq_lens=_i32(lens, device),
+        seq_lens=None,
         max_k=int(lens.max()),
     )
+    uploads.put(plan, "cu_q", starts, np.int32)
+    uploads.put(plan, "seq_lens", lens, np.int32)
     if codes_shape is not None:
         # each request's rows that read codes: positions >= window (all without one)
         first = lens - q_lens
@@ -206,18 +243,28 @@ def plan_prefill(
         keep = lens > a0
         runs = list(zip(*(x[keep].tolist() for x in (
             np.arange(n), starts[:-1] + a0 - first, lens - a0, a0))))
-        plan.codes = codes_attention.plan(runs, *codes_shape, device, n, int(lens.max()))
+        plan.codes = codes_attention.plan(runs, *codes_shape, n, int(lens.max()))
+        if plan.codes is not None:
+            for name in ("tile_req", "tile_row", "tile_rows", "tile_pos"):
+                uploads.put(plan.codes, name, getattr(plan.codes, name), np.int32)
     if plan.codes is None and not batch_invariant:  # (whose segment tables index every entry)
         plan.page_first = codes_attention.first_occurrence(plan.block_ids)
         plan.page_table = plan.page_first.view(n, nb).to(torch.int32)
+    else:
+        uploads.put(plan, "page_table", pages_of, np.int32)
     if window <= 0:
         return plan
     i32, i64 = _segments(starts, q_lens, lens, np.asarray(rows, dtype=np.int64), window,
                          block_size, nb, batch_invariant, pad_codes)
+    # what ops.prefill would otherwise derive again in every layer
+    code_real = i64.get("code_real")
+    i64["code_out"] = i64["code_rows"] if code_real is None else i64["code_rows"][code_real]
+    i64["code_src"] = np.arange(len(i64["code_out"])) if code_real is None else code_real
+    i64["win_slots"] = i64["win_pos"] % window
     for name, x in i32.items():
-        setattr(plan, name, _i32(x, device))
+        uploads.put(plan, name, x, np.int32)
     for name, x in i64.items():
-        setattr(plan, name, _i64(x, device))
+        uploads.put(plan, name, x, np.int64)
     plan.fp_in_order = bool(np.array_equal(i64["fp_src"], np.arange(int(starts[-1]))))
     plan.seg_max_q = int(np.diff(i32["seg_cu_q"]).max())
     plan.code_max_q = int(np.diff(i32["code_cu_q"]).max()) if len(i32["code_cu_q"]) > 1 else 0
@@ -291,6 +338,7 @@ def plan_prefills(qsl, seq_lens, block_table, block_size, window, rows, device, 
     """Prefill requests split into consecutive groups whose dequantized pages (padded to
     the group's longest history) stay within ``page_tokens``; one plan per group."""
     plans, i, n = [], 0, len(seq_lens)
+    uploads = Uploads()
     blocks = -(-seq_lens.astype(np.int64) // block_size)
     while i < n:
         j, widest = i + 1, blocks[i]
@@ -298,12 +346,16 @@ def plan_prefills(qsl, seq_lens, block_table, block_size, window, rows, device, 
             widest = max(widest, blocks[j])
             j += 1
         p = plan_prefill(qsl[i : j + 1], seq_lens[i:j], block_table[i:j], block_size, window,
-                         rows[i:j] if rows is not None else None, device, batch_invariant,
+                         rows[i:j] if rows is not None else None, uploads, batch_invariant,
                          pad_codes, codes_shape)
         p.tok_start, p.tok_end = int(qsl[i] - qsl[0]), int(qsl[j] - qsl[0])
         p.req_start, p.req_end = i, j
         plans.append(p)
         i = j
+    uploads.send(device)
+    for p in plans:
+        if p.code_req is not None and p.codes is None:  # the codes part's FlashAttention table
+            p.code_table = p.page_table[p.code_req]
     return plans
 
 
@@ -422,7 +474,7 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
             rows = np.full(n, scratch, dtype=np.int32)
             real = self.window_rows.assign(np.asarray(cam.req_idx[:n]), scratch)
             rows[: len(real)] = real
-            self.req_rows[:n].copy_(torch.from_numpy(rows), non_blocking=True)
+            self.req_rows[:n].copy_(upload([rows], self.device)[0], non_blocking=True)
             rows_cpu = rows.tolist()
         prefills = []
         if npf:

@@ -194,10 +194,8 @@ def prefill(out, query, key, value, kv_cache, md, state, scale: float) -> None:
         else:
             _prefill_fa(fa, p, out[rows], q, k, v, kv_cache, state, scale)
         if state.window > 0 and p.win_tokens.numel():
-            reference.window_write(
-                state.win_k, state.win_v, k[p.win_tokens], v[p.win_tokens], p.win_rows,
-                p.win_pos, state.window,
-            )
+            state.win_k[p.win_rows, :, p.win_slots] = k[p.win_tokens]
+            state.win_v[p.win_rows, :, p.win_slots] = v[p.win_tokens]
 
 
 def prefill_scratch_bytes(page_tokens: int, num_kv_heads: int, head_dim: int,
@@ -272,10 +270,9 @@ def _prefill_fa(fa, p, out, q, k, v, kv_cache, state, scale) -> None:
     )
     if p.code_rows.numel() == 0:
         return
-    rows = p.code_rows if p.code_real is None else p.code_rows[p.code_real]
     if p.codes is not None:
         o_c, lse_c = _codes_part(p, q, kv_cache, state, scale)
-        c_rows = rows  # the kernel's results cover every row of the group
+        c_rows = p.code_out  # the kernel's results cover every row of the group
     else:
         # Codes part: every query of a segment sees all keys before the segment start. On
         # a sliding-window layer query i sees keys j > i - sw only: FlashAttention aligns
@@ -287,11 +284,10 @@ def _prefill_fa(fa, p, out, q, k, v, kv_cache, state, scale) -> None:
             q=q[p.code_rows], k=kp, v=vp, cu_seqlens_q=p.code_cu_q, max_seqlen_q=p.code_max_q,
             seqused_k=p.code_len, max_seqlen_k=p.max_k, softmax_scale=scale, causal=False,
             window_size=(sw - 1 - state.window, -1) if sw > 0 else (-1, -1),
-            block_table=p.page_table[p.code_req], return_softmax_lse=True, fa_version=version,
+            block_table=p.code_table, return_softmax_lse=True, fa_version=version,
         )
-        c_rows = p.code_real if p.code_real is not None else torch.arange(
-            rows.numel(), device=rows.device)
-    codes_attention.merge_rows(out, lse_fp, rows, o_c, lse_c, c_rows)
+        c_rows = p.code_src
+    codes_attention.merge_rows(out, lse_fp, p.code_out, o_c, lse_c, c_rows)
 
 
 def _prefill_batch_invariant(attn, p, out, q, k, v, kv_cache, state, scale) -> None:

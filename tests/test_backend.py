@@ -600,3 +600,19 @@ def test_segment_plan_matches_the_plain_loops(window, block, pad_codes, batch_in
             assert g.keys() == w.keys()
             for k in w:
                 assert np.array_equal(np.asarray(g[k]), np.asarray(w[k])), k
+
+
+def test_upload_sends_every_array_whole_and_aligned():
+    """metadata.upload: one buffer, each array with its values, dtype and shape (empty ones
+    too), each starting 16-byte aligned within it."""
+    from vllm_pq_backend.metadata import upload
+
+    arrays = [np.arange(3, dtype=np.int32), np.zeros(0, dtype=np.int64),
+              np.arange(6, dtype=np.int64).reshape(2, 3) - 7, np.array([5], dtype=np.int32)]
+    sent = upload(arrays, "cpu")
+    for a, t in zip(arrays, sent):
+        assert t.dtype == torch.from_numpy(a).dtype and tuple(t.shape) == a.shape
+        assert np.array_equal(t.numpy(), a)
+    base = sent[0].data_ptr()
+    assert all((t.data_ptr() - base) % 16 == 0 for t in sent if t.numel())
+    assert upload([], "cpu") == []

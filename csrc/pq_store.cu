@@ -92,18 +92,20 @@ __device__ __forceinline__ bool all_finite(const T* x, int n) {
   return finite;
 }
 
+// The byte of code `m` of the token in `slot`.
+__device__ __forceinline__ uint8_t* code_byte(const Pages& pg, bool is_v, int head, int m, int64_t slot) {
+  const int64_t blk = slot / pg.block_size, off = slot % pg.block_size;
+  uint8_t* region = pg.base + blk * pg.block_stride + head * pg.head_stride;
+  return region + (is_v ? pg.lay.v_off + (int64_t)m * pg.lay.v_sub + off : pg.lay.k_off + off * pg.lay.k_tok + m);
+}
+
 // The code of token `t` goes into its page; subspace 0 of a non-finite vector gets nan_code.
 template <typename T>
 __device__ __forceinline__ void write_code(const StoreArgs& a, const T* src, int64_t stride, bool is_v,
                                            int head, int m, int tok, int64_t slot, int code) {
-  const Pages& pg = a.pages;
   // the whole head's vector: one non-finite element marks the token
-  if (m == 0 && !all_finite(src + tok * stride + (int64_t)head * a.head_dim, a.head_dim)) code = pg.lay.nan_code;
-  const int64_t blk = slot / pg.block_size, off = slot % pg.block_size;
-  uint8_t* region = pg.base + blk * pg.block_stride + head * pg.head_stride;
-  const int64_t pos = is_v ? pg.lay.v_off + (int64_t)m * pg.lay.v_sub + off
-                           : pg.lay.k_off + off * pg.lay.k_tok + m;
-  region[pos] = static_cast<uint8_t>(code);
+  if (m == 0 && !all_finite(src + tok * stride + (int64_t)head * a.head_dim, a.head_dim)) code = a.pages.lay.nan_code;
+  *code_byte(a.pages, is_v, head, m, slot) = static_cast<uint8_t>(code);
 }
 
 // 2-D centroids staged in shared memory with their |c|^2 / 2 ...
@@ -123,34 +125,58 @@ struct CachedCentroids {
   }
 };
 
-// Score of 2-D centroid k, |c|^2 / 2 - x.c, by the same fused multiply-adds as the full
-// search; the first minimum wins and a NaN never does.
-template <typename Centroids>
-__device__ __forceinline__ void try_centroid(float x0, float x1, const Centroids& cs, int k, float& best,
-                                             int& code) {
-  const float3 c = cs[k];
+// Score of 2-D centroid k (c: its coordinates and |c|^2 / 2), |c|^2 / 2 - x.c, by the same
+// fused multiply-adds as the full search; the first minimum wins and a NaN never does.
+__device__ __forceinline__ void try_centroid(float x0, float x1, float3 c, int k, float& best, int& code) {
   const float score = __fmaf_rn(-x1, c.y, __fmaf_rn(-x0, c.x, c.z));
   if (score < best) best = score, code = k;
 }
 
 // Grid records (nearest.py): 16 bytes lo[2], inv_w[2]; uint16 bins, offsets, lists, fine,
-// cells at byte 16.
+// cells at byte 16. Records are 16-byte aligned (their size is a multiple of 16).
+struct GridHeader {
+  float4 f;  // lo[2], inv_w[2]
+  uint4 s;   // the uint16 section offsets and sizes, packed
+  __device__ __forceinline__ int sec(int i) const {
+    const uint32_t w[4] = {s.x, s.y, s.z, s.w};
+    return (w[i / 2] >> (16 * (i % 2))) & 0xffff;
+  }
+};
+
+__device__ __forceinline__ GridHeader grid_header(const uint8_t* rec) {
+  return {*reinterpret_cast<const float4*>(rec), *reinterpret_cast<const uint4*>(rec + 16)};
+}
+
+// The code of (x0, x1): the listed centroids of its cell, or all 256 outside the record's
+// box. The list is walked 4 entries at a time, their centroids loaded before any is
+// scored, so that a decode-sized store waits for one round of loads per 4 entries rather
+// than per entry; past the list's end the last entry repeats, which never wins a strict
+// compare, so the first minimum in index order still wins.
 template <typename Centroids>
-__device__ __forceinline__ int grid_code(float x0, float x1, const Centroids& cs, const uint8_t* rec) {
-  const float* f = reinterpret_cast<const float*>(rec);
-  const uint16_t* sec = reinterpret_cast<const uint16_t*>(rec + 16);
-  const float fx = (x0 - f[0]) * f[2], fy = (x1 - f[1]) * f[3];
-  const float fine = sec[3];
+__device__ __forceinline__ int grid_code(float x0, float x1, const Centroids& cs, const uint8_t* rec,
+                                         const GridHeader& h) {
+  const float fx = (x0 - h.f.x) * h.f.z, fy = (x1 - h.f.y) * h.f.w;
+  const int fine = h.sec(3);
   float best = CUDART_INF_F;
   int code = 0;
-  if (fx >= 0.f && fx < fine && fy >= 0.f && fy < fine) {  // false for NaN
-    const uint8_t* bins = rec + sec[0];
-    const int cell = bins[(int)fx] * sec[4] + bins[sec[3] + (int)fy];
-    const uint16_t* offs = reinterpret_cast<const uint16_t*>(rec + sec[1]);
-    const uint8_t* list = rec + sec[2];
-    for (int j = offs[cell]; j < offs[cell + 1]; ++j) try_centroid(x0, x1, cs, list[j], best, code);
+  if (fx >= 0.f && fx < (float)fine && fy >= 0.f && fy < (float)fine) {  // false for NaN
+    const uint8_t* bins = rec + h.sec(0);
+    const int cell = bins[(int)fx] * h.sec(4) + bins[fine + (int)fy];
+    const uint16_t* offs = reinterpret_cast<const uint16_t*>(rec + h.sec(1));
+    const uint8_t* list = rec + h.sec(2);
+    const int lo = offs[cell], hi = offs[cell + 1];
+    for (int j = lo; j < hi; j += 4) {
+      int k[4];
+      float3 c[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) k[u] = list[min(j + u, hi - 1)];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) c[u] = cs[k[u]];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) try_centroid(x0, x1, c[u], k[u], best, code);
+    }
   } else {
-    for (int k = 0; k < kCentroids; ++k) try_centroid(x0, x1, cs, k, best, code);
+    for (int k = 0; k < kCentroids; ++k) try_centroid(x0, x1, cs[k], k, best, code);
   }
   return code;
 }
@@ -194,7 +220,8 @@ __global__ void __launch_bounds__(kStoreThreads) store_grid_kernel(StoreArgs a, 
     const int64_t slot = a.slot_mapping[tok0 + t];
     if (slot < 0) continue;
     const T* xp = src + (tok0 + t) * stride + (int64_t)head * a.head_dim + m * 2;
-    const int code = grid_code(Elem<T>::to_float(xp[0]), Elem<T>::to_float(xp[1]), StagedCentroids{c, hn}, rec);
+    const int code = grid_code(Elem<T>::to_float(xp[0]), Elem<T>::to_float(xp[1]), StagedCentroids{c, hn}, rec,
+                               grid_header(rec));
     write_code(a, src, stride, is_v, head, m, tok0 + t, slot, code);
   }
 }
@@ -210,17 +237,22 @@ __global__ void __launch_bounds__(kStoreThreads) store_grid_l1_kernel(StoreArgs 
   const int m_total = is_v ? a.m_v : a.m_k;
   const int m = warp / token_warps, tok = (warp % token_warps) * 32 + threadIdx.x % 32;
   if (m >= m_total || tok >= a.num_tokens) return;
+  // A chain of dependent loads (record, cell, list, centroids) is all this kernel's time:
+  // everything that depends on nothing else is loaded first, the slot's check waits for it.
   const int64_t slot = a.slot_mapping[tok];
-  if (slot < 0) return;
   const int head = blockIdx.y;
   const size_t sub = (size_t)head * m_total + m;
   const float2* c = reinterpret_cast<const float2*>(is_v ? a.v_cb : a.k_cb) + sub * kCentroids;
   const uint8_t* rec = (is_v ? a.v_grid : a.k_grid) + sub * (is_v ? a.v_grid_bytes : a.k_grid_bytes);
-  const T* src = static_cast<const T*>(is_v ? a.value : a.key);
-  const int64_t stride = is_v ? a.value_stride : a.key_stride;
-  const T* xp = src + tok * stride + (int64_t)head * a.head_dim + m * 2;
-  const int code = grid_code(Elem<T>::to_float(xp[0]), Elem<T>::to_float(xp[1]), CachedCentroids{c}, rec);
-  write_code(a, src, stride, is_v, head, m, tok, slot, code);
+  const GridHeader h = grid_header(rec);
+  const T* row = static_cast<const T*>(is_v ? a.value : a.key) + tok * (is_v ? a.value_stride : a.key_stride) +
+                 (int64_t)head * a.head_dim;
+  const float x0 = Elem<T>::to_float(row[2 * m]), x1 = Elem<T>::to_float(row[2 * m + 1]);
+  // the whole head's vector: one non-finite element marks the token (subspace 0's code)
+  const bool finite = m != 0 || all_finite(row, a.head_dim);
+  if (slot < 0) return;
+  const int code = grid_code(x0, x1, CachedCentroids{c}, rec, h);
+  *code_byte(a.pages, is_v, head, m, slot) = static_cast<uint8_t>(finite ? code : a.pages.lay.nan_code);
 }
 
 template <typename T, int DS, int P>
@@ -353,9 +385,9 @@ cudaError_t store_parts(const StoreArgs& a, int first_part, int parts, int m, cu
 
 template <typename T>
 cudaError_t store_typed(const StoreArgs& a, cudaStream_t stream) {
-  // one launch for K and V when their widths and their grid records agree
-  const bool same = a.m_k == a.m_v && (a.k_grid == nullptr) == (a.v_grid == nullptr) &&
-                    (a.k_grid == nullptr || a.k_grid_bytes == a.v_grid_bytes);
+  // one launch for K and V when their widths agree and both or neither have grid records
+  // (their records' sizes may differ: each part reads its own)
+  const bool same = a.m_k == a.m_v && (a.k_grid == nullptr) == (a.v_grid == nullptr);
   if (same) return store_parts<T>(a, 0, 2, a.m_k, stream);
   const cudaError_t err = store_parts<T>(a, 0, 1, a.m_k, stream);
   return err != cudaSuccess ? err : store_parts<T>(a, 1, 1, a.m_v, stream);

@@ -1,5 +1,5 @@
-// Torch custom ops over the torch-free kernels: torch.ops.pq_backend.store / .decode /
-// .decode_books / .map.
+// Torch custom ops over the torch-free kernels: torch.ops.pq_backend.store / .window_write /
+// .decode / .decode_books / .map.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
@@ -120,6 +120,49 @@ void store(Tensor kv_cache, const Tensor& key, const Tensor& value, const Tensor
   a.m_v = static_cast<int>(m_v);
   a.dtype = dt;
   check_cuda(pq::store(a, at::cuda::getCurrentCUDAStream()), "store");
+}
+
+// win_k[rows[i], :, slots[i]] = key[tokens[i]] and the same for V, for every i (pq_kernels.h).
+void window_write(Tensor win_k, Tensor win_v, const Tensor& key, const Tensor& value, const Tensor& tokens,
+                  const Tensor& rows, const Tensor& slots) {
+  const at::Device dev = key.device();
+  TORCH_CHECK(dev.is_cuda(), "vllm_pq_backend: key must be a CUDA tensor");
+  const at::cuda::OptionalCUDAGuard guard(dev);
+  check(key, "key", dev, {-1, -1, -1});
+  const int64_t heads = key.size(1), d = key.size(2);
+  dtype_of(key, "key");
+  check(value, "value", dev, {key.size(0), heads, d});
+  check(win_k, "win_k", dev, {-1, heads, -1, d});
+  check(win_v, "win_v", dev, {win_k.size(0), heads, win_k.size(2), d});
+  check_dtype(value, "value", key.scalar_type());
+  check_dtype(win_k, "win_k", key.scalar_type());
+  check_dtype(win_v, "win_v", key.scalar_type());
+  TORCH_CHECK(key.stride(2) == 1 && key.stride(1) == d && value.stride(2) == 1 && value.stride(1) == d,
+              "vllm_pq_backend: key and value must be [n, kv_heads, head_dim] with dense heads");
+  TORCH_CHECK(win_k.is_contiguous() && win_v.is_contiguous(), "vllm_pq_backend: window store must be contiguous");
+  const int64_t count = tokens.numel();
+  const std::pair<const Tensor*, const char*> index[] = {{&tokens, "tokens"}, {&rows, "rows"}, {&slots, "slots"}};
+  for (const auto& [t, name] : index) {
+    check(*t, name, dev, {count});
+    check_dtype(*t, name, at::kLong);
+    TORCH_CHECK(t->is_contiguous(), "vllm_pq_backend: ", name, " must be contiguous");
+  }
+  pq::WindowArgs a{};
+  a.win_k = win_k.data_ptr();
+  a.win_v = win_v.data_ptr();
+  a.key = key.data_ptr();
+  a.value = value.data_ptr();
+  a.key_stride = key.stride(0);
+  a.value_stride = value.stride(0);
+  a.tokens = tokens.data_ptr<int64_t>();
+  a.rows = rows.data_ptr<int64_t>();
+  a.slots = slots.data_ptr<int64_t>();
+  a.count = static_cast<int>(count);
+  a.kv_heads = static_cast<int>(heads);
+  a.window = static_cast<int>(win_k.size(2));
+  a.head_dim = static_cast<int>(d);
+  a.elem_bytes = static_cast<int>(key.element_size());
+  check_cuda(pq::window_write(a, at::cuda::getCurrentCUDAStream()), "window_write");
 }
 
 // The decode kernel's codebook image of one layer (pq_kernels.h): [kv_heads, bytes] uint8,
@@ -295,6 +338,9 @@ TORCH_LIBRARY(pq_backend, m) {
       "Tensor v_cb, Tensor k_grid, Tensor v_grid, int k_off, int k_tok, int v_off, int v_sub, "
       "int nan_code) -> ()");
   m.def(
+      "window_write(Tensor(a!) win_k, Tensor(b!) win_v, Tensor key, Tensor value, Tensor tokens, Tensor rows, "
+      "Tensor slots) -> ()");
+  m.def(
       "decode(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
       "Tensor k_cb, Tensor v_cb, Tensor books, Tensor(d!) win_k, Tensor(e!) win_v, Tensor rows, Tensor new_k, "
       "Tensor new_v, int window, int sliding_window, int num_splits, int min_split, int num_ctas, float scale, "
@@ -304,6 +350,7 @@ TORCH_LIBRARY(pq_backend, m) {
 
 TORCH_LIBRARY_IMPL(pq_backend, CUDA, m) {
   m.impl("store", &store);
+  m.impl("window_write", &window_write);
   m.impl("decode", &decode);
   m.impl("decode_books", &decode_books);
   m.impl("map", &map_rows);

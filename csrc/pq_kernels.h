@@ -97,7 +97,22 @@ struct MapArgs {
   DType dtype;
 };
 
+// This step's K/V rows into the window store (pq_store.cu): for i < count,
+// win_k[rows[i], h, slots[i]] = key[tokens[i], h] for every KV head h, and the same for V.
+struct WindowArgs {
+  void* win_k;  // [win_rows, kv_heads, W, D], contiguous
+  void* win_v;
+  const void* key;  // [n, kv_heads, D], dense heads
+  const void* value;
+  int64_t key_stride, value_stride;  // elements between tokens
+  const int64_t* tokens;  // [count] rows of key / value
+  const int64_t* rows;    // [count] window-store rows
+  const int64_t* slots;   // [count] entries in them (position % W)
+  int count, kv_heads, window, head_dim, elem_bytes;
+};
+
 cudaError_t store(const StoreArgs& a, cudaStream_t stream);
+cudaError_t window_write(const WindowArgs& a, cudaStream_t stream);
 cudaError_t map_rows(const MapArgs& a, cudaStream_t stream);
 cudaError_t decode(const DecodeArgs& a, cudaStream_t stream);
 

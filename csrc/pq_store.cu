@@ -99,13 +99,17 @@ __device__ __forceinline__ uint8_t* code_byte(const Pages& pg, bool is_v, int he
   return region + (is_v ? pg.lay.v_off + (int64_t)m * pg.lay.v_sub + off : pg.lay.k_off + off * pg.lay.k_tok + m);
 }
 
-// The code of token `t` goes into its page; subspace 0 of a non-finite vector gets nan_code.
+// Whether code `m` of the head vector `row` (head_dim elements) is the layout's nan_code:
+// subspace 0 of a vector with one non-finite element marks the token.
 template <typename T>
-__device__ __forceinline__ void write_code(const StoreArgs& a, const T* src, int64_t stride, bool is_v,
-                                           int head, int m, int tok, int64_t slot, int code) {
-  // the whole head's vector: one non-finite element marks the token
-  if (m == 0 && !all_finite(src + tok * stride + (int64_t)head * a.head_dim, a.head_dim)) code = a.pages.lay.nan_code;
-  *code_byte(a.pages, is_v, head, m, slot) = static_cast<uint8_t>(code);
+__device__ __forceinline__ bool nan_marked(const T* row, int m, int head_dim) {
+  return m == 0 && !all_finite(row, head_dim);
+}
+
+// Code `m` of the token in `slot` goes into its page (nan_code where nan_marked).
+__device__ __forceinline__ void write_code(const StoreArgs& a, bool is_v, int head, int m, int64_t slot, int code,
+                                           bool nan) {
+  *code_byte(a.pages, is_v, head, m, slot) = static_cast<uint8_t>(nan ? a.pages.lay.nan_code : code);
 }
 
 // 2-D centroids staged in shared memory with their |c|^2 / 2 ...
@@ -219,10 +223,10 @@ __global__ void __launch_bounds__(kStoreThreads) store_grid_kernel(StoreArgs a, 
     if (t >= ntok) break;
     const int64_t slot = a.slot_mapping[tok0 + t];
     if (slot < 0) continue;
-    const T* xp = src + (tok0 + t) * stride + (int64_t)head * a.head_dim + m * 2;
-    const int code = grid_code(Elem<T>::to_float(xp[0]), Elem<T>::to_float(xp[1]), StagedCentroids{c, hn}, rec,
-                               grid_header(rec));
-    write_code(a, src, stride, is_v, head, m, tok0 + t, slot, code);
+    const T* row = src + (tok0 + t) * stride + (int64_t)head * a.head_dim;
+    const int code = grid_code(Elem<T>::to_float(row[2 * m]), Elem<T>::to_float(row[2 * m + 1]),
+                               StagedCentroids{c, hn}, rec, grid_header(rec));
+    write_code(a, is_v, head, m, slot, code, nan_marked(row, m, a.head_dim));
   }
 }
 
@@ -248,11 +252,9 @@ __global__ void __launch_bounds__(kStoreThreads) store_grid_l1_kernel(StoreArgs 
   const T* row = static_cast<const T*>(is_v ? a.value : a.key) + tok * (is_v ? a.value_stride : a.key_stride) +
                  (int64_t)head * a.head_dim;
   const float x0 = Elem<T>::to_float(row[2 * m]), x1 = Elem<T>::to_float(row[2 * m + 1]);
-  // the whole head's vector: one non-finite element marks the token (subspace 0's code)
-  const bool finite = m != 0 || all_finite(row, a.head_dim);
+  const bool nan = nan_marked(row, m, a.head_dim);
   if (slot < 0) return;
-  const int code = grid_code(x0, x1, CachedCentroids{c}, rec, h);
-  *code_byte(a.pages, is_v, head, m, slot) = static_cast<uint8_t>(finite ? code : a.pages.lay.nan_code);
+  write_code(a, is_v, head, m, slot, grid_code(x0, x1, CachedCentroids{c}, rec, h), nan);
 }
 
 template <typename T, int DS, int P>
@@ -311,7 +313,9 @@ __global__ void __launch_bounds__(kStoreThreads) store_kernel(StoreArgs a, int f
   }
 #pragma unroll
   for (int p = 0; p < P; ++p) {
-    if (slot[p] >= 0) write_code(a, src, stride, is_v, head, m, tok0 + lane + p * C::kLanes, slot[p], code[p]);
+    if (slot[p] < 0) continue;
+    const T* row = src + (tok0 + lane + p * C::kLanes) * stride + (int64_t)head * a.head_dim;
+    write_code(a, is_v, head, m, slot[p], code[p], nan_marked(row, m, a.head_dim));
   }
 }
 
@@ -393,7 +397,39 @@ cudaError_t store_typed(const StoreArgs& a, cudaStream_t stream) {
   return err != cudaSuccess ? err : store_parts<T>(a, 1, 1, a.m_v, stream);
 }
 
+// One token's K (blockIdx.y 0) or V (1) head vectors into its window-store entry, V-byte
+// words at a time (16 where every row is 16-byte aligned).
+template <typename V>
+__global__ void window_write_kernel(WindowArgs a) {
+  const int i = blockIdx.x;
+  const bool is_v = blockIdx.y == 1;
+  const int64_t esz = a.elem_bytes, head_bytes = a.head_dim * esz, words = head_bytes / sizeof(V);
+  const uint8_t* src = static_cast<const uint8_t*>(is_v ? a.value : a.key) +
+                       a.tokens[i] * (is_v ? a.value_stride : a.key_stride) * esz;
+  uint8_t* dst = static_cast<uint8_t*>(is_v ? a.win_v : a.win_k) +
+                 (a.rows[i] * a.kv_heads * a.window + a.slots[i]) * head_bytes;
+  for (int64_t w = threadIdx.x; w < a.kv_heads * words; w += blockDim.x) {
+    const int64_t h = w / words, at = (w % words) * sizeof(V);
+    *reinterpret_cast<V*>(dst + h * a.window * head_bytes + at) =
+        *reinterpret_cast<const V*>(src + h * head_bytes + at);
+  }
+}
+
 }  // namespace
+
+cudaError_t window_write(const WindowArgs& a, cudaStream_t stream) {
+  if (a.count == 0) return cudaSuccess;
+  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  const bool vec = aligned(a.key) && aligned(a.value) && aligned(a.win_k) && aligned(a.win_v) &&
+                   (a.head_dim * a.elem_bytes) % 16 == 0 && (a.key_stride * a.elem_bytes) % 16 == 0 &&
+                   (a.value_stride * a.elem_bytes) % 16 == 0;
+  const dim3 grid(a.count, 2);
+  if (vec)
+    window_write_kernel<uint4><<<grid, 128, 0, stream>>>(a);
+  else
+    window_write_kernel<uint16_t><<<grid, 128, 0, stream>>>(a);
+  return cudaGetLastError();
+}
 
 cudaError_t store(const StoreArgs& a, cudaStream_t stream) {
   if (a.num_tokens == 0) return cudaSuccess;

@@ -307,7 +307,7 @@ def plan_segments_loops(starts, q_lens, lens, rows, window, block_size, nb, batc
     seg_q, seg_k, fp_src, st_rows, st_slots = [0], [0], [], [], []
     code_rows, code_real, code_q, code_len, code_req = [], [], [0], [], []
     seg_page, fp_dst, seg_end = [], [], []
-    win_tok, win_rows, win_pos = [], [], []
+    win_tok, win_rows, win_slots = [], [], []
     for i in range(n):
         length, first, tok0 = int(lens[i]), int(lens[i] - q_lens[i]), int(starts[i])
         for g0 in range(window_start(first, window), length, window):
@@ -335,13 +335,16 @@ def plan_segments_loops(starts, q_lens, lens, rows, window, block_size, nb, batc
         last = max(first, window_start(length - 1, window))
         win_tok.extend(range(tok0 + last - first, tok0 + length - first))
         win_rows.extend([rows[i]] * (length - last))
-        win_pos.extend(range(last, length))
-    i32 = dict(seg_cu_q=seg_q, seg_cu_k=seg_k, code_cu_q=code_q, code_len=code_len)
-    i64 = dict(fp_src=fp_src, store_rows=st_rows, store_slots=st_slots, code_rows=code_rows,
-               code_req=code_req, win_tokens=win_tok, win_rows=win_rows, win_pos=win_pos)
-    if pad_codes:
-        i64.update(code_real=code_real)
-    if batch_invariant:
+        win_slots.extend(p % window for p in range(last, length))
+    i32 = dict(seg_cu_q=seg_q, seg_cu_k=seg_k)
+    i64 = dict(fp_src=fp_src, store_rows=st_rows, store_slots=st_slots, win_tokens=win_tok,
+               win_rows=win_rows, win_slots=win_slots)
+    if not batch_invariant:  # that mode has no codes part
+        i32.update(code_cu_q=code_q, code_len=code_len)
+        i64.update(code_rows=code_rows, code_req=code_req)
+        if pad_codes:
+            i64.update(code_real=code_real)
+    else:
         pages = np.asarray(seg_page, dtype=np.int64)
         table = pages_of[pages // nb]  # a copy: the request's pages, its segment's page
         table[np.arange(len(pages)), pages % nb] = n * nb + np.arange(len(pages))  # -> copy

@@ -313,7 +313,8 @@ def test_builder_on_common_metadata(model_factory):
     assert p.store_rows.tolist() == [2] * 20 and p.store_slots.tolist() == list(range(20))
     assert p.fp_src[:20].tolist() == [50 + i for i in range(20)]
     assert p.code_len.tolist() == [32, 64] and p.code_rows.tolist() == list(range(12, 50))
-    assert p.win_pos.tolist() == list(range(64, 70)) and p.win_rows.tolist() == [2] * 6
+    assert p.code_q_rows == slice(12, 50)  # one run: ops.prefill takes a view of the queries
+    assert p.win_slots.tolist() == list(range(6)) and p.win_rows.tolist() == [2] * 6
     assert not md.batch_invariant
     with pytest.raises(RuntimeError, match="model runner V2"):
         builder.build(0, cam.replace(req_idx=None))
@@ -324,7 +325,9 @@ def test_builder_on_common_metadata(model_factory):
     assert md.batch_invariant
     (p,) = md.prefills
     assert p.query_start_loc_cpu == [0, 1, 2, 52] and p.seq_lens_cpu == [40, 7, 70]
-    assert p.win_pos.tolist() == [39, 6, *range(64, 70)]  # decoded tokens enter the window
+    # decoded tokens enter the window (positions 39, 6, 64..69)
+    assert p.win_slots.tolist() == [7, 6, *range(6)]
+    assert p.code_rows is None and p.code_out is None  # no codes part to merge in this mode
 
 
 def test_builder_reads_the_window_store_rows_at_each_build(model_factory):

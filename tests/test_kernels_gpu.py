@@ -589,3 +589,35 @@ def test_map_rejects_bad_inputs():
         torch.ops.pq_backend.map([x[:3]], [x], [t])
     with pytest.raises(RuntimeError, match="1 to 3"):
         torch.ops.pq_backend.map([x] * 4, [x] * 4, [t] * 4)
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_window_write_matches_reference(d, dtype, aligned):
+    """pq_backend::window_write puts exactly the named rows into the named (row, slot)
+    entries, K and V, as reference.window_write does (bit for bit: a copy), and leaves
+    every other entry alone. K and V are strided views of one packed qkv-like tensor (vLLM's
+    layout); with ``aligned`` False their rows start off 16-byte boundaries (element copies)."""
+    gen = torch.Generator().manual_seed(d)
+    hkv, w, rows, n = 4, 64, 6, 300
+    pad = 0 if aligned else 1
+    packed = torch.randn(n, 2 * hkv * d + pad, generator=gen).to(DEV, dtype)[:, pad:]
+    key, value = (x.view(n, hkv, d) for x in packed.split(hkv * d, dim=1))
+    count = 90
+    tokens = torch.randperm(n, generator=gen)[:count].to(DEV)
+    entries = torch.randperm(rows * w, generator=gen)[:count].to(DEV)  # distinct entries
+    r, s = entries // w, entries % w
+    got = [torch.randn(rows, hkv, w, d, generator=gen).to(DEV, dtype) for _ in range(2)]
+    want = [x.clone() for x in got]
+    torch.ops.pq_backend.window_write(*got, key, value, tokens, r, s)
+    reference.window_write(*want, key, value, tokens, r, s)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(got[0][r, :, s], key[tokens])  # and the reference does what it says
+    empty = torch.zeros(0, dtype=torch.long, device=DEV)
+    torch.ops.pq_backend.window_write(*got, key, value, empty, empty, empty)  # no entries: no launch
+    assert torch.equal(got[0], want[0])
+    with pytest.raises(RuntimeError, match="rows must be Long"):
+        torch.ops.pq_backend.window_write(*got, key, value, tokens, r.int(), s)
+    with pytest.raises(RuntimeError, match="win_v has shape"):
+        torch.ops.pq_backend.window_write(got[0], got[1][:, :, :8], key, value, tokens, r, s)

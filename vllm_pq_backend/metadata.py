@@ -108,6 +108,7 @@ class PrefillPlan:
     store_rows: torch.Tensor | None = None
     store_slots: torch.Tensor | None = None
     code_rows: torch.Tensor | None = None  # query rows of the codes part (padded, see below)
+    code_q_rows: slice | None = None  # code_rows as a slice, where they are one run
     code_real: torch.Tensor | None = None  # sliding window: which code_rows are real rows
     code_cu_q: torch.Tensor | None = None
     code_max_q: int = 0
@@ -128,8 +129,7 @@ class PrefillPlan:
     codes: CodesPlan | None = None
     win_tokens: torch.Tensor | None = None  # rows written to the window store afterwards
     win_rows: torch.Tensor | None = None
-    win_pos: torch.Tensor | None = None
-    win_slots: torch.Tensor | None = None  # win_pos % window
+    win_slots: torch.Tensor | None = None  # their positions % window
     tok_start: int = 0
     tok_end: int = 0
     req_start: int = 0
@@ -174,13 +174,19 @@ def upload(arrays: list[np.ndarray], device) -> list[torch.Tensor]:
     for a in arrays:
         offsets.append(size)
         size += -(-a.nbytes // 16) * 16
-    host = torch.empty(size, dtype=torch.uint8, pin_memory=device.type == "cuda" and size > 0)
-    staged = host.numpy()
+    host = staged(size, device)
+    buf = host.numpy()
     for a, at in zip(arrays, offsets):
-        staged[at : at + a.nbytes] = a.reshape(-1).view(np.uint8)
+        buf[at : at + a.nbytes] = a.reshape(-1).view(np.uint8)
     sent = host.to(device, non_blocking=True)
     return [sent[at : at + a.nbytes].view(torch.from_numpy(a[:0]).dtype).view(a.shape)
             for a, at in zip(arrays, offsets)]
+
+
+def staged(nbytes: int, device) -> torch.Tensor:
+    """A host buffer for a copy to ``device`` that does not wait: pinned for a GPU."""
+    return torch.empty(nbytes, dtype=torch.uint8,
+                       pin_memory=torch.device(device).type == "cuda" and nbytes > 0)
 
 
 class Uploads:
@@ -257,17 +263,21 @@ def plan_prefill(
     i32, i64 = _segments(starts, q_lens, lens, np.asarray(rows, dtype=np.int64), window,
                          block_size, nb, batch_invariant, pad_codes)
     # what ops.prefill would otherwise derive again in every layer
-    code_real = i64.get("code_real")
-    i64["code_out"] = i64["code_rows"] if code_real is None else i64["code_rows"][code_real]
-    i64["code_src"] = np.arange(len(i64["code_out"])) if code_real is None else code_real
-    i64["win_slots"] = i64["win_pos"] % window
+    if not batch_invariant:  # (that mode reads no codes part: it merges nothing)
+        code_real = i64.get("code_real")
+        i64["code_out"] = i64["code_rows"] if code_real is None else i64["code_rows"][code_real]
+        i64["code_src"] = np.arange(len(i64["code_out"])) if code_real is None else code_real
+        plan.code_max_q = int(np.diff(i32["code_cu_q"]).max()) if len(i32["code_cu_q"]) > 1 else 0
+        cr = i64["code_rows"]
+        if len(cr) and np.array_equal(cr, np.arange(cr[0], cr[0] + len(cr))):
+            # one run of rows (a single uncached prompt): the queries are a view, no gather
+            plan.code_q_rows = slice(int(cr[0]), int(cr[0]) + len(cr))
     for name, x in i32.items():
         uploads.put(plan, name, x, np.int32)
     for name, x in i64.items():
         uploads.put(plan, name, x, np.int64)
     plan.fp_in_order = bool(np.array_equal(i64["fp_src"], np.arange(int(starts[-1]))))
     plan.seg_max_q = int(np.diff(i32["seg_cu_q"]).max())
-    plan.code_max_q = int(np.diff(i32["code_cu_q"]).max()) if len(i32["code_cu_q"]) > 1 else 0
     plan.seg_max_k = int(np.diff(i32["seg_cu_k"]).max())
     return plan
 
@@ -309,22 +319,24 @@ def _segments(starts, q_lens, lens, rows, window, block_size, nb, batch_invarian
     # keys of each segment: its store entries (indexed after the chunk's rows), then rows
     fp_src = _runs(_pairs(total_q + _cum0(n_store)[:-1], tok0 + np.maximum(0, g0 - f)),
                    _pairs(n_store, e - a))
-    c = g0 > 0  # segments with a codes part
-    real = (e - a)[c]
-    pad = (g0 + w - e)[c] if pad_codes else np.zeros_like(real)
-    code_q = _cum0(real + pad)
-    code_rows = _runs(_pairs((tok0 + a - f)[c], (tok0 + e - 1 - f)[c]), _pairs(real, pad),
-                      _pairs(np.ones_like(real), 0))  # the real rows, then copies of the last
     last = np.maximum(first, ((lens - 1) // w) * w)  # rows that end in the window store
-    i32 = dict(seg_cu_q=_cum0(e - a), seg_cu_k=_cum0(e - g0), code_cu_q=code_q,
-               code_len=g0[c])
+    i32 = dict(seg_cu_q=_cum0(e - a), seg_cu_k=_cum0(e - g0))
     i64 = dict(fp_src=fp_src, store_rows=np.repeat(rows[req], n_store),
-               store_slots=_runs(g0 % w, n_store), code_rows=code_rows, code_req=req[c],
+               store_slots=_runs(g0 % w, n_store),
                win_tokens=_runs(starts[:-1] + last - first, lens - last),
-               win_rows=np.repeat(rows, lens - last), win_pos=_runs(last, lens - last))
-    if pad_codes:
-        i64.update(code_real=_runs(code_q[:-1], real))
-    if batch_invariant:
+               win_rows=np.repeat(rows, lens - last), win_slots=_runs(last, lens - last) % w)
+    if not batch_invariant:  # the codes part, merged into the segments' rows (ops._prefill_fa)
+        c = g0 > 0  # segments with a codes part
+        real = (e - a)[c]
+        pad = (g0 + w - e)[c] if pad_codes else np.zeros_like(real)
+        code_q = _cum0(real + pad)
+        code_rows = _runs(_pairs((tok0 + a - f)[c], (tok0 + e - 1 - f)[c]), _pairs(real, pad),
+                          _pairs(np.ones_like(real), 0))  # the real rows, then copies of the last
+        i32.update(code_cu_q=code_q, code_len=g0[c])
+        i64.update(code_rows=code_rows, code_req=req[c])
+        if pad_codes:
+            i64.update(code_real=_runs(code_q[:-1], real))
+    else:
         pages = req * nb + g0 // block_size
         table = np.arange(n * nb).reshape(n, nb)[req]  # the request's pages, its segment's page
         table[np.arange(len(pages)), pages % nb] = n * nb + np.arange(len(pages))  # -> copy
@@ -474,7 +486,9 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
             rows = np.full(n, scratch, dtype=np.int32)
             real = self.window_rows.assign(np.asarray(cam.req_idx[:n]), scratch)
             rows[: len(real)] = real
-            self.req_rows[:n].copy_(upload([rows], self.device)[0], non_blocking=True)
+            host = staged(rows.nbytes, self.device)  # straight into the persistent buffer
+            host.numpy()[:] = rows.view(np.uint8)
+            self.req_rows[:n].copy_(host.view(torch.int32), non_blocking=True)
             rows_cpu = rows.tolist()
         prefills = []
         if npf:

@@ -27,7 +27,7 @@ def kernels_available() -> bool:
     if kernels.load() is None:
         return False
     # Shapes for torch.compile / meta tensors: both ops only write into their arguments.
-    for name in ("store", "decode", "map"):
+    for name in ("store", "window_write", "decode", "map"):
         torch.library.register_fake(f"pq_backend::{name}")(lambda *args, **kwargs: None)
     return True
 
@@ -131,6 +131,15 @@ def store(kv_cache, key, value, slot_mapping, state) -> None:
         )
 
 
+def window_write(state, key, value, tokens, rows, slots) -> None:
+    """This step's rows ``key/value[tokens]`` into the window store at ``(rows, slots)``
+    (int64 tensors): one launch for K and V on the GPU."""
+    if use_kernels(key):
+        torch.ops.pq_backend.window_write(state.win_k, state.win_v, key, value, tokens, rows, slots)
+    else:
+        reference.window_write(state.win_k, state.win_v, key, value, tokens, rows, slots)
+
+
 # --------------------------------------------------------------------------- decode
 
 
@@ -145,21 +154,24 @@ def decode(out, query, key, value, kv_cache, md, state, scale: float) -> None:
         def empty():  # a tensor of its own for each mutable argument the op is not given
             return query.new_empty(0)
 
-        # with a window, the kernel first writes each token's key and value into it
+        # With a window, the kernel first writes each token's key and value into it. The
+        # kernel takes its requests from query's rows and reads only that many of the
+        # other per-request tensors: no slices of them (each slice costs the CPU a few us
+        # in every layer of an eager step).
         torch.ops.pq_backend.decode(
-            out[:nd], query[:nd], kv_cache, md.block_table[:nd], md.seq_lens[:nd],
+            out[:nd], query[:nd], kv_cache, md.block_table, md.seq_lens,
             state.k_cb, state.v_cb, state.books,
             state.win_k if w > 0 else empty(), state.win_v if w > 0 else empty(),
-            md.req_rows[:nd] if w > 0 else md.seq_lens.new_empty(0),
-            key[:nd] if w > 0 else empty(), value[:nd] if w > 0 else empty(),
+            md.req_rows if w > 0 else md.seq_lens.new_empty(0),
+            key if w > 0 else empty(), value if w > 0 else empty(),
             w, state.sliding_window, md.num_splits, MIN_SPLIT_TOKENS, md.num_ctas, scale,
             lut_scores(hq, state.k_cb.shape[0], state.d, state.layout.m_k),
             ws_o, ws_lse, *state.layout.kernel_args(),
         )
         return
     if w > 0:
-        reference.window_write(state.win_k, state.win_v, key[:nd], value[:nd],
-                               md.req_rows[:nd], md.seq_lens[:nd] - 1, w)
+        window_write(state, key, value, torch.arange(nd, device=key.device),
+                     md.req_rows[:nd], (md.seq_lens[:nd] - 1) % w)
     res = reference.attention(
         query[:nd], key[:nd], value[:nd], kv_cache, state.k_cb32, state.v_cb32,
         state.layout, md.query_start_loc_cpu[: nd + 1].tolist(),
@@ -193,9 +205,8 @@ def prefill(out, query, key, value, kv_cache, md, state, scale: float) -> None:
             out[rows] = res.to(out.dtype)
         else:
             _prefill_fa(fa, p, out[rows], q, k, v, kv_cache, state, scale)
-        if state.window > 0 and p.win_tokens.numel():
-            state.win_k[p.win_rows, :, p.win_slots] = k[p.win_tokens]
-            state.win_v[p.win_rows, :, p.win_slots] = v[p.win_tokens]
+        if state.window > 0:
+            window_write(state, k, v, p.win_tokens, p.win_rows, p.win_slots)
 
 
 def prefill_scratch_bytes(page_tokens: int, num_kv_heads: int, head_dim: int,
@@ -280,8 +291,9 @@ def _prefill_fa(fa, p, out, q, k, v, kv_cache, state, scale) -> None:
         # window (p.code_real marks the real ones) and every row sits exactly W after its
         # aligned position; (sw - 1 - W, unbounded) is then the window in absolute positions.
         sw = state.sliding_window
+        code_q = q[p.code_q_rows] if p.code_q_rows is not None else q[p.code_rows]
         o_c, lse_c = varlen(
-            q=q[p.code_rows], k=kp, v=vp, cu_seqlens_q=p.code_cu_q, max_seqlen_q=p.code_max_q,
+            q=code_q, k=kp, v=vp, cu_seqlens_q=p.code_cu_q, max_seqlen_q=p.code_max_q,
             seqused_k=p.code_len, max_seqlen_k=p.max_k, softmax_scale=scale, causal=False,
             window_size=(sw - 1 - state.window, -1) if sw > 0 else (-1, -1),
             block_table=p.code_table, return_softmax_lse=True, fa_version=version,

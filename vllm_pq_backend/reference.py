@@ -113,13 +113,11 @@ def map_rows(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return y.view(n, h, d).to(x.dtype)
 
 
-def window_write(win_k, win_v, key, value, rows, positions, window: int) -> None:
-    """Put rows ``key/value [n, H, d]`` of positions ``positions`` into the window store."""
-    if window <= 0 or rows.numel() == 0:
-        return
-    slot = (positions % window).long()
-    win_k[rows.long(), :, slot] = key.to(win_k.dtype)
-    win_v[rows.long(), :, slot] = value.to(win_v.dtype)
+def window_write(win_k, win_v, key, value, tokens, rows, slots) -> None:
+    """``win_k[rows[i], :, slots[i]] = key[tokens[i]]`` and the same for V: this step's
+    rows into the window store (a slot is the position % W)."""
+    win_k[rows.long(), :, slots.long()] = key[tokens.long()].to(win_k.dtype)
+    win_v[rows.long(), :, slots.long()] = value[tokens.long()].to(win_v.dtype)
 
 
 def attention(

@@ -78,6 +78,18 @@ pq::Pages pages_of(const Tensor& kv_cache, const at::Device& dev, int64_t heads,
                    pq::PageLayout{(int)k_off, (int)k_tok, (int)v_off, (int)v_sub, (int)nan_code}};
 }
 
+// key / value [n, kv_heads, head_dim] of one 16-bit dtype, heads dense (rows may be strided).
+pq::KVRows kv_rows_of(const Tensor& key, const Tensor& value, const at::Device& dev) {
+  check(key, "key", dev, {-1, -1, -1});
+  const int64_t heads = key.size(1), d = key.size(2);
+  dtype_of(key, "key");
+  check(value, "value", dev, {key.size(0), heads, d});
+  check_dtype(value, "value", key.scalar_type());
+  TORCH_CHECK(key.stride(2) == 1 && key.stride(1) == d && value.stride(2) == 1 && value.stride(1) == d,
+              "vllm_pq_backend: key and value must be [n, kv_heads, head_dim] with dense heads");
+  return pq::KVRows{key.data_ptr(), value.data_ptr(), key.stride(0), value.stride(0)};
+}
+
 void check_cuda(cudaError_t err, const char* what) {
   TORCH_CHECK(err == cudaSuccess, "vllm_pq_backend ", what, " kernel failed: ", cudaGetErrorString(err));
 }
@@ -88,13 +100,9 @@ void store(Tensor kv_cache, const Tensor& key, const Tensor& value, const Tensor
   const at::Device dev = key.device();
   TORCH_CHECK(dev.is_cuda(), "vllm_pq_backend: key must be a CUDA tensor");
   const at::cuda::OptionalCUDAGuard guard(dev);
-  check(key, "key", dev, {-1, -1, -1});
+  pq::StoreArgs a{};
+  a.kv = kv_rows_of(key, value, dev);
   const int64_t n = key.size(0), heads = key.size(1), d = key.size(2);
-  check(value, "value", dev, {n, heads, d});
-  TORCH_CHECK(key.stride(2) == 1 && key.stride(1) == d && value.stride(2) == 1 && value.stride(1) == d,
-              "vllm_pq_backend: key and value must be [n, kv_heads, head_dim] with dense rows");
-  const pq::DType dt = dtype_of(key, "key");
-  check_dtype(value, "value", key.scalar_type());
   check(slot_mapping, "slot_mapping", dev, {-1});
   check_dtype(slot_mapping, "slot_mapping", at::kLong);
   TORCH_CHECK(slot_mapping.is_contiguous() && slot_mapping.size(0) <= n,
@@ -102,12 +110,7 @@ void store(Tensor kv_cache, const Tensor& key, const Tensor& value, const Tensor
               slot_mapping.sizes());
   const int64_t m_k = check_codebook(k_cb, "k_cb", dev, heads, d, at::kFloat);
   const int64_t m_v = check_codebook(v_cb, "v_cb", dev, heads, d, at::kFloat);
-  pq::StoreArgs a{};
   a.pages = pages_of(kv_cache, dev, heads, m_k, m_v, k_off, k_tok, v_off, v_sub, nan_code);
-  a.key = key.data_ptr();
-  a.value = value.data_ptr();
-  a.key_stride = key.stride(0);
-  a.value_stride = value.stride(0);
   a.slot_mapping = slot_mapping.data_ptr<int64_t>();
   a.k_cb = k_cb.data_ptr<float>();
   a.v_cb = v_cb.data_ptr<float>();
@@ -118,7 +121,7 @@ void store(Tensor kv_cache, const Tensor& key, const Tensor& value, const Tensor
   a.head_dim = static_cast<int>(d);
   a.m_k = static_cast<int>(m_k);
   a.m_v = static_cast<int>(m_v);
-  a.dtype = dt;
+  a.dtype = dtype_of(key, "key");
   check_cuda(pq::store(a, at::cuda::getCurrentCUDAStream()), "store");
 }
 
@@ -128,17 +131,13 @@ void window_write(Tensor win_k, Tensor win_v, const Tensor& key, const Tensor& v
   const at::Device dev = key.device();
   TORCH_CHECK(dev.is_cuda(), "vllm_pq_backend: key must be a CUDA tensor");
   const at::cuda::OptionalCUDAGuard guard(dev);
-  check(key, "key", dev, {-1, -1, -1});
+  pq::WindowArgs a{};
+  a.kv = kv_rows_of(key, value, dev);
   const int64_t heads = key.size(1), d = key.size(2);
-  dtype_of(key, "key");
-  check(value, "value", dev, {key.size(0), heads, d});
   check(win_k, "win_k", dev, {-1, heads, -1, d});
   check(win_v, "win_v", dev, {win_k.size(0), heads, win_k.size(2), d});
-  check_dtype(value, "value", key.scalar_type());
   check_dtype(win_k, "win_k", key.scalar_type());
   check_dtype(win_v, "win_v", key.scalar_type());
-  TORCH_CHECK(key.stride(2) == 1 && key.stride(1) == d && value.stride(2) == 1 && value.stride(1) == d,
-              "vllm_pq_backend: key and value must be [n, kv_heads, head_dim] with dense heads");
   TORCH_CHECK(win_k.is_contiguous() && win_v.is_contiguous(), "vllm_pq_backend: window store must be contiguous");
   const int64_t count = tokens.numel();
   const std::pair<const Tensor*, const char*> index[] = {{&tokens, "tokens"}, {&rows, "rows"}, {&slots, "slots"}};
@@ -147,13 +146,8 @@ void window_write(Tensor win_k, Tensor win_v, const Tensor& key, const Tensor& v
     check_dtype(*t, name, at::kLong);
     TORCH_CHECK(t->is_contiguous(), "vllm_pq_backend: ", name, " must be contiguous");
   }
-  pq::WindowArgs a{};
   a.win_k = win_k.data_ptr();
   a.win_v = win_v.data_ptr();
-  a.key = key.data_ptr();
-  a.value = value.data_ptr();
-  a.key_stride = key.stride(0);
-  a.value_stride = value.stride(0);
   a.tokens = tokens.data_ptr<int64_t>();
   a.rows = rows.data_ptr<int64_t>();
   a.slots = slots.data_ptr<int64_t>();

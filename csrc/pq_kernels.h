@@ -25,11 +25,17 @@ struct Pages {
   PageLayout lay;
 };
 
-struct StoreArgs {
-  Pages pages;
-  const void* key;  // [n, kv_heads, D] (activation dtype), row stride below
+// This step's K and V rows, [n, kv_heads, D] (activation dtype) with dense heads; rows may
+// be strided, as vLLM's views of its qkv tensor are.
+struct KVRows {
+  const void* key;
   const void* value;
   int64_t key_stride, value_stride;  // elements between tokens
+};
+
+struct StoreArgs {
+  Pages pages;
+  KVRows kv;
   const int64_t* slot_mapping;  // [n], -1 = padding
   const float* k_cb;            // [kv_heads, Mk, 256, D/Mk]
   const float* v_cb;            // [kv_heads, Mv, 256, D/Mv]
@@ -102,9 +108,7 @@ struct MapArgs {
 struct WindowArgs {
   void* win_k;  // [win_rows, kv_heads, W, D], contiguous
   void* win_v;
-  const void* key;  // [n, kv_heads, D], dense heads
-  const void* value;
-  int64_t key_stride, value_stride;  // elements between tokens
+  KVRows kv;
   const int64_t* tokens;  // [count] rows of key / value
   const int64_t* rows;    // [count] window-store rows
   const int64_t* slots;   // [count] entries in them (position % W)

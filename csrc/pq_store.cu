@@ -99,6 +99,13 @@ __device__ __forceinline__ uint8_t* code_byte(const Pages& pg, bool is_v, int he
   return region + (is_v ? pg.lay.v_off + (int64_t)m * pg.lay.v_sub + off : pg.lay.k_off + off * pg.lay.k_tok + m);
 }
 
+// Head `head` of token `tok`'s K row (is_v false) or V row: head_dim elements.
+template <typename T>
+__device__ __forceinline__ const T* head_row(const KVRows& kv, bool is_v, int64_t tok, int head, int head_dim) {
+  return static_cast<const T*>(is_v ? kv.value : kv.key) + tok * (is_v ? kv.value_stride : kv.key_stride) +
+         (int64_t)head * head_dim;
+}
+
 // Whether code `m` of the head vector `row` (head_dim elements) is the layout's nan_code:
 // subspace 0 of a vector with one non-finite element marks the token.
 template <typename T>
@@ -201,8 +208,6 @@ __global__ void __launch_bounds__(kStoreThreads) store_grid_kernel(StoreArgs a, 
   uint8_t* recs = reinterpret_cast<uint8_t*>(cb_smem + C::kGroup * kCentroids * 3);
   const float* cb = (is_v ? a.v_cb : a.k_cb) + ((size_t)head * m_total + m0) * kCentroids * 2;
   const uint8_t* grid = (is_v ? a.v_grid : a.k_grid) + ((size_t)head * m_total + m0) * rec_bytes;
-  const T* src = static_cast<const T*>(is_v ? a.value : a.key);
-  const int64_t stride = is_v ? a.value_stride : a.key_stride;
   const int tok0 = blockIdx.x * C::kTokens;
   const int ntok = min(C::kTokens, a.num_tokens - tok0);
 
@@ -223,7 +228,7 @@ __global__ void __launch_bounds__(kStoreThreads) store_grid_kernel(StoreArgs a, 
     if (t >= ntok) break;
     const int64_t slot = a.slot_mapping[tok0 + t];
     if (slot < 0) continue;
-    const T* row = src + (tok0 + t) * stride + (int64_t)head * a.head_dim;
+    const T* row = head_row<T>(a.kv, is_v, tok0 + t, head, a.head_dim);
     const int code = grid_code(Elem<T>::to_float(row[2 * m]), Elem<T>::to_float(row[2 * m + 1]),
                                StagedCentroids{c, hn}, rec, grid_header(rec));
     write_code(a, is_v, head, m, slot, code, nan_marked(row, m, a.head_dim));
@@ -249,8 +254,7 @@ __global__ void __launch_bounds__(kStoreThreads) store_grid_l1_kernel(StoreArgs 
   const float2* c = reinterpret_cast<const float2*>(is_v ? a.v_cb : a.k_cb) + sub * kCentroids;
   const uint8_t* rec = (is_v ? a.v_grid : a.k_grid) + sub * (is_v ? a.v_grid_bytes : a.k_grid_bytes);
   const GridHeader h = grid_header(rec);
-  const T* row = static_cast<const T*>(is_v ? a.value : a.key) + tok * (is_v ? a.value_stride : a.key_stride) +
-                 (int64_t)head * a.head_dim;
+  const T* row = head_row<T>(a.kv, is_v, tok, head, a.head_dim);
   const float x0 = Elem<T>::to_float(row[2 * m]), x1 = Elem<T>::to_float(row[2 * m + 1]);
   const bool nan = nan_marked(row, m, a.head_dim);
   if (slot < 0) return;
@@ -268,8 +272,6 @@ __global__ void __launch_bounds__(kStoreThreads) store_kernel(StoreArgs a, int f
   const int m0 = (blockIdx.z % groups) * C::kGroup;
   const int mg = min(C::kGroup, m_total - m0);
   const float* cb = (is_v ? a.v_cb : a.k_cb) + ((size_t)head * m_total + m0) * kCentroids * DS;
-  const T* src = static_cast<const T*>(is_v ? a.value : a.key);
-  const int64_t stride = is_v ? a.value_stride : a.key_stride;
   const int tok0 = blockIdx.x * C::kTokens;
   const int ntok = min(C::kTokens, a.num_tokens - tok0);
 
@@ -286,7 +288,7 @@ __global__ void __launch_bounds__(kStoreThreads) store_kernel(StoreArgs a, int f
     const int t = lane + p * C::kLanes;
     slot[p] = t < ntok ? a.slot_mapping[tok0 + t] : -1;
     any = any || slot[p] >= 0;
-    const T* x = src + (tok0 + min(t, ntok - 1)) * stride + (int64_t)head * a.head_dim + m * DS;
+    const T* x = head_row<T>(a.kv, is_v, tok0 + min(t, ntok - 1), head, a.head_dim) + m * DS;
 #pragma unroll
     for (int i = 0; i < DS; ++i) xv[p][i] = Elem<T>::to_float(x[i]);
   }
@@ -314,7 +316,7 @@ __global__ void __launch_bounds__(kStoreThreads) store_kernel(StoreArgs a, int f
 #pragma unroll
   for (int p = 0; p < P; ++p) {
     if (slot[p] < 0) continue;
-    const T* row = src + (tok0 + lane + p * C::kLanes) * stride + (int64_t)head * a.head_dim;
+    const T* row = head_row<T>(a.kv, is_v, tok0 + lane + p * C::kLanes, head, a.head_dim);
     write_code(a, is_v, head, m, slot[p], code[p], nan_marked(row, m, a.head_dim));
   }
 }
@@ -404,8 +406,8 @@ __global__ void window_write_kernel(WindowArgs a) {
   const int i = blockIdx.x;
   const bool is_v = blockIdx.y == 1;
   const int64_t esz = a.elem_bytes, head_bytes = a.head_dim * esz, words = head_bytes / sizeof(V);
-  const uint8_t* src = static_cast<const uint8_t*>(is_v ? a.value : a.key) +
-                       a.tokens[i] * (is_v ? a.value_stride : a.key_stride) * esz;
+  const uint8_t* src = static_cast<const uint8_t*>(is_v ? a.kv.value : a.kv.key) +
+                       a.tokens[i] * (is_v ? a.kv.value_stride : a.kv.key_stride) * esz;
   uint8_t* dst = static_cast<uint8_t*>(is_v ? a.win_v : a.win_k) +
                  (a.rows[i] * a.kv_heads * a.window + a.slots[i]) * head_bytes;
   for (int64_t w = threadIdx.x; w < a.kv_heads * words; w += blockDim.x) {
@@ -420,9 +422,9 @@ __global__ void window_write_kernel(WindowArgs a) {
 cudaError_t window_write(const WindowArgs& a, cudaStream_t stream) {
   if (a.count == 0) return cudaSuccess;
   const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  const bool vec = aligned(a.key) && aligned(a.value) && aligned(a.win_k) && aligned(a.win_v) &&
-                   (a.head_dim * a.elem_bytes) % 16 == 0 && (a.key_stride * a.elem_bytes) % 16 == 0 &&
-                   (a.value_stride * a.elem_bytes) % 16 == 0;
+  const bool vec = aligned(a.kv.key) && aligned(a.kv.value) && aligned(a.win_k) && aligned(a.win_v) &&
+                   (a.head_dim * a.elem_bytes) % 16 == 0 && (a.kv.key_stride * a.elem_bytes) % 16 == 0 &&
+                   (a.kv.value_stride * a.elem_bytes) % 16 == 0;
   const dim3 grid(a.count, 2);
   if (vec)
     window_write_kernel<uint4><<<grid, 128, 0, stream>>>(a);

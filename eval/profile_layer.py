@@ -1,11 +1,14 @@
-"""CPU and GPU time of one attention layer's calls (the KV store, then forward) on the
-GPU, CUSTOM against FLASH_ATTN on the same batch: what an eager step (one that carries a
-prefill, which vLLM runs outside its full CUDA graphs) costs per layer.
+"""CPU and GPU time of one attention layer's calls on the GPU (CUSTOM: forward, which
+stores the step's K/V itself; FLASH_ATTN: its KV-cache update, then forward), CUSTOM
+against FLASH_ATTN on the same batch: what an eager step (one that carries a prefill,
+which vLLM runs outside its full CUDA graphs) costs per layer.
 
-    python eval/profile_layer.py [BITS] [PROMPT_TOKENS]     # defaults: 4 1024
+    python eval/profile_layer.py [BITS] [PROMPT_TOKENS] [maps]     # defaults: 4 1024
 
 Llama-3-8B's layer shape (32 query / 8 KV heads, head_dim 128, block 128, window 128),
-random codebooks, through tests/helpers.Sim (the backend driven as vLLM's model runner
+random codebooks (with ``maps``: random K and V maps too, as calibration writes them by
+default, so that the query / key / value / output maps run as with real codebooks),
+through tests/helpers.Sim (the backend driven as vLLM's model runner
 drives it). Eight requests hold 1000 tokens each; then two batches are measured:
 
 - mixed: the eight decode one token each and a new request prefills PROMPT_TOKENS;
@@ -42,18 +45,19 @@ ITERS = 50
 def main() -> None:
     bits = int(sys.argv[1]) if len(sys.argv) > 1 else 4
     prompt = int(sys.argv[2]) if len(sys.argv) > 2 else 1024
+    maps = sys.argv[3:4] == ["maps"]
     print(json.dumps(provenance()))
     d = tempfile.mkdtemp()
     write_model_config(d, head_dim=128, q_heads=32, kv_heads=8, layers=1)
     m = bits * 128 // 8
-    random_codebooks(default_codebook_path(d, m, m), d, m, seed=1, m_v=m)
+    random_codebooks(default_codebook_path(d, m, m), d, m, seed=1, m_v=m, transforms=maps)
     vc = vllm_config(d, block_size=128, pq={"m": m, "m_v": m}, max_num_seqs=16,
                      max_model_len=4096)
     sim = Sim(vc, num_blocks=256, dtype=torch.bfloat16, device=DEV)
-    # the arguments of the last store / forward / metadata build, to replay them
+    # the arguments of the last forward / metadata build, to replay them
     rec = {}
     impl, builder = sim.impl, sim.builder
-    store, forward, build = impl.do_kv_cache_update, impl.forward, builder.build
+    forward, build = impl.forward, builder.build
 
     def recorder(name, fn):
         def call(*a, **k):
@@ -61,7 +65,6 @@ def main() -> None:
             return fn(*a, **k)
         return call
 
-    impl.do_kv_cache_update = recorder("store", store)
     impl.forward = recorder("forward", forward)
     builder.build = recorder("build", build)
     for rid in range(8):
@@ -87,10 +90,9 @@ def main() -> None:
 
     def measure(name, work):
         sim.step(work)
-        (sa, sk), (fa, fk) = rec["store"], rec["forward"]
+        fa, fk = rec["forward"]
 
         def layer():
-            store(*sa, **sk)
             forward(*fa, **fk)
 
         cpu, gpu = timed(layer)
@@ -105,9 +107,9 @@ def main() -> None:
         cpu, gpu = timed(flash_attn_layer(vc, rec["build"][0][1], *fa[1:4]))
         print(f"  FLASH_ATTN same batch: layer CPU {cpu:.0f} us, GPU {gpu:.0f} us")
 
-    measure(f"mixed 8 decodes + {prompt} prefill, {bits} bits",
-            [(r, 1) for r in range(8)] + [(8, prompt)])
-    measure(f"decode only 8, {bits} bits", [(r, 1) for r in range(8)])
+    what = f"{bits} bits" + (", with maps" if maps else "")
+    measure(f"mixed 8 decodes + {prompt} prefill, {what}", [(r, 1) for r in range(8)] + [(8, prompt)])
+    measure(f"decode only 8, {what}", [(r, 1) for r in range(8)])
 
 
 def flash_attn_layer(vc, cam, q, k, v):

@@ -207,7 +207,6 @@ class Sim:
         query, key, value = (y.view(x.shape) for x, y in zip(
             parts, packed.split([x[0].numel() for x in parts], dim=1)))
         out = torch.full_like(query, float("nan"))  # poisoned: every row must be written
-        self.impl.do_kv_cache_update(self.layer, key, value, self.kv_cache, cam.slot_mapping)
         self.impl.forward(self.layer, query, key, value, self.kv_cache, md, out)
         return {rid: out[qsl[i] : qsl[i + 1]] for i, (rid, _) in enumerate(work)}
 

@@ -59,7 +59,10 @@ def configured_m(head_size: int, vllm_config=None) -> tuple[int, int]:
 
 class PQAttentionBackend(AttentionBackend):
     accept_output_buffer: bool = True
-    forward_includes_kv_cache_update: bool = False
+    # forward() stores the step's K/V itself: the codebooks' maps then run once per layer
+    # for query, key and value together, and an eager step makes one custom-op call per
+    # layer instead of two (vLLM's separate update op would map K/V a second time).
+    forward_includes_kv_cache_update: bool = True
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
     supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "float16", "bfloat16"]
 

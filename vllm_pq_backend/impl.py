@@ -190,14 +190,6 @@ class PQAttentionImpl(AttentionImpl[PQMetadata]):
                 _log_memory(self, self._state)
         return self._state
 
-    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
-        if kv_cache.numel() == 0:
-            return
-        st = self.state(layer, key)
-        n = slot_mapping.shape[0]
-        k, v = st.map(("key", key[:n]), ("value", value[:n]))
-        ops.store(kv_cache, k, v, slot_mapping, st)
-
     def forward(
         self,
         layer: AttentionLayer,
@@ -219,6 +211,10 @@ class PQAttentionImpl(AttentionImpl[PQMetadata]):
         n = md.num_actual_tokens
         out = output[:n]
         q, k, v = st.map(("query", query[:n]), ("key", key[:n]), ("value", value[:n]))
+        # The step's codes first: a prefill chunk's codes part reads its own tokens' codes.
+        # (The slot mapping has n entries, -1 for CUDA-graph padding: stored nowhere.)
+        if kv_cache.numel():
+            ops.store(kv_cache, k, v, md.slot_mapping, st)
         if md.num_decodes:
             ops.decode(out, q, k, v, kv_cache, md, st, self.scale)
         if md.num_prefills:

@@ -535,13 +535,14 @@ def test_store_rejects_bad_inputs():
         torch.ops.pq_backend.store(cache, key, key, slots, k_cb, v_cb, NO_GRID, NO_GRID, *lay.kernel_args()[:4], 0)
 
 
+@pytest.mark.parametrize("n", [37, 300])  # a decode step's CTAs of 8 rows, a prefill's of 64 / 32
 @pytest.mark.parametrize("d", HEAD_DIMS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_map_kernel_matches_reference_row_by_row(d, dtype):
+def test_map_kernel_matches_reference_row_by_row(d, dtype, n):
     """q (4 query heads per map), k and v in one launch, rows strided as vLLM's qkv split
     gives them, against fp64: every element within its 16-bit rounding plus fp32 sums."""
     gen = torch.Generator().manual_seed(d)
-    n, hkv, g = 37, 2, 4
+    hkv, g = 2, 4
     qkv = torch.randn(n, (hkv * g + 2 * hkv) * d, generator=gen).to(DEV, dtype)
     q = qkv[:, : hkv * g * d].view(n, hkv * g, d)
     k = qkv[:, hkv * g * d : (hkv * g + hkv) * d].view(n, hkv, d)

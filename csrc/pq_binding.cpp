@@ -4,6 +4,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -296,6 +297,7 @@ void map_rows(std::vector<Tensor> out, const std::vector<Tensor>& x, const std::
   const at::cuda::OptionalCUDAGuard guard(dev);
   check(x[0], "x[0]", dev, {-1, -1, -1});
   const int64_t n = x[0].size(0), d = x[0].size(2);
+  TORCH_CHECK(d == 64 || d == 128 || d == 256, "vllm_pq_backend: map supports head_dim 64, 128 and 256, got ", d);
   pq::MapArgs a{};
   a.dtype = dtype_of(x[0], "x[0]");
   for (size_t i = 0; i < x.size(); ++i) {
@@ -308,6 +310,10 @@ void map_rows(std::vector<Tensor> out, const std::vector<Tensor>& x, const std::
     check_dtype(out[i], oi.c_str(), x[0].scalar_type());
     TORCH_CHECK(x[i].stride(2) == 1 && x[i].stride(1) == d && out[i].stride(2) == 1 && out[i].stride(1) == d,
                 "vllm_pq_backend: ", xi, " and ", oi, " must be [rows, heads, head_dim] with dense heads");
+    // a lane writes head_dim / 32 elements of a row at once (pq_map.cu)
+    const int64_t align = std::min<int64_t>(16, d / 16);
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(out[i].data_ptr()) % align == 0 && (out[i].stride(0) * 2) % align == 0,
+                "vllm_pq_backend: ", oi, " and its rows must be ", align, "-byte aligned");
     check(t[i], ti.c_str(), dev, {-1, d, d});
     check_dtype(t[i], ti.c_str(), at::kFloat);
     TORCH_CHECK(t[i].is_contiguous() && t[i].size(0) > 0 && heads % t[i].size(0) == 0, "vllm_pq_backend: ", ti,

@@ -71,17 +71,15 @@ struct DecodeCfg {
   static constexpr int NK = 8 / DWK;
   static constexpr int NV = VSUB < 4 ? VSUB : 4;
   static constexpr int RV = 8 / DWV;  // lane rows of one phase for V
-  static constexpr int kKBlockWords = 4 * NK * DWK;  // image words of one K block, all 4 columns
-  // 12 warps (<= 168 registers) hid latency better than 8 that held the next chunk's codes
-  // in registers of their own (246-251 registers) with the lookup layout before the
-  // codebook image: at 4 bits 0.86x FA3 instead of 0.85x at 1K x 64, 1.33x instead of
-  // 1.16x at 32K x 8; 16 warps (128 registers, small spills) were within 2% of 12
-  // (eval/results/decode_variants/). The next chunk's codes now load into the registers
-  // of the current one's as each part of them is consumed (see the chunk loop). head_dim
-  // 256 keeps 8 warps: its codebooks stay in global memory and its fragments need the
-  // registers.
+  // 12 warps without prefetching the next chunk's codes (<= 168 registers) hid latency
+  // better than 8 with it (246-251 registers) with the lookup layout before the codebook
+  // image: at 4 bits 0.86x FA3 instead of 0.85x at 1K x 64, 1.33x instead of 1.16x at
+  // 32K x 8; 16 warps (128 registers, small spills) were within 2% of 12
+  // (eval/results/decode_variants/; not yet measured again with the image). head_dim 256
+  // keeps 8: its codebooks stay in global memory and its fragments need the registers.
   static constexpr int kWarps = D <= 128 ? 12 : 8;
   static constexpr int kThreads = 32 * kWarps;
+  static constexpr bool kPrefetch = false;
   // The codebook image (k_word / v_word): rows of 256 bytes, one per code. head_dim 128: all K
   // rows, then all V rows; head_dim 64: a row holds K's 128 bytes, then V's.
   static constexpr int kRow = 256;
@@ -119,7 +117,7 @@ struct DecodeCfg {
 template <class C>
 __host__ __device__ constexpr int k_word(int s) {
   const int c = s / C::MQ, m = s % C::MQ;
-  return (m / C::NK) * C::kKBlockWords + (c * C::NK + m % C::NK) * C::DWK;
+  return (m / C::NK) * 32 + (c * C::NK + m % C::NK) * C::DWK;
 }
 
 template <class C>
@@ -165,7 +163,7 @@ template <class C>
 struct ChunkCodes {
   uint32_t k[2][2][(C::MQ + 3) / 4];  // [half][row r | r+8][bytes]
   uint32_t v[2][C::VSUB];             // [half][tile slot]: tokens 8c+4h .. +3 of a tile
-};                                    // (slots hold the tiles rotated, see load_v_codes)
+};                                    // (slots hold the tiles rotated, see load_codes)
 
 __device__ __forceinline__ int k_token(int half, int r) { return 8 * (r >> 1) + 4 * half + (r & 1); }
 
@@ -239,27 +237,24 @@ struct DecodeCta {
     return a.pages.base + (int64_t)page * a.pages.block_stride + (int64_t)hkv * a.pages.head_stride;
   }
 
-  // K codes of this lane's tokens and quarter (reg: region(t0)).
-  __device__ void load_k_codes(const uint8_t* reg, int t0, ChunkCodes<C>& cc) const {
+  // K codes of this lane's tokens and quarter; V codes of its tiles, tile
+  // qb*NV + (j + rv) % NV in slot qb*NV + j (an 8-byte load covers both halves).
+  __device__ void load_codes(int t0, ChunkCodes<C>& cc) const {
+    const uint8_t* reg = region(t0);
     const int off0 = t0 % a.pages.block_size;
+    const PageLayout& L = a.pages.lay;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int tok = off0 + k_token(h, r) + 2 * e;
-        load_bytes<C::MQ>(reg + a.pages.lay.k_off + tok * a.pages.lay.k_tok + c * C::MQ, cc.k[h][e]);
+        load_bytes<C::MQ>(reg + L.k_off + tok * L.k_tok + c * C::MQ, cc.k[h][e]);
       }
     }
-  }
-
-  // V codes of this lane's tiles, tile qb*NV + (j + rv) % NV in slot qb*NV + j (an 8-byte
-  // load covers both halves).
-  __device__ void load_v_codes(const uint8_t* reg, int t0, ChunkCodes<C>& cc) const {
-    const int off0 = t0 % a.pages.block_size;
 #pragma unroll
     for (int i = 0; i < C::VSUB; ++i) {
       const int q = (i / C::NV) * C::NV + (i % C::NV + lk.rv) % C::NV;
-      const uint2 x = *reinterpret_cast<const uint2*>(reg + a.pages.lay.v_off + (8 * q + r) * a.pages.lay.v_sub + off0 + 8 * c);
+      const uint2 x = *reinterpret_cast<const uint2*>(reg + L.v_off + (8 * q + r) * L.v_sub + off0 + 8 * c);
       cc.v[0][i] = x.x;
       cc.v[1][i] = x.y;
     }
@@ -286,7 +281,7 @@ struct DecodeCta {
         const int j = i % C::NK;
         const uint32_t at = row_address(codes[i / 4], lk.k_off[j / 2], i % 4, j % 2);
         uint32_t cw[C::DWK];
-        lds_words<C::DWK>(at + (i / C::NK) * 4 * C::kKBlockWords, cw);
+        lds_words<C::DWK>(at + (i / C::NK) * 128, cw);
 #pragma unroll
         for (int u = 0; u < C::DWK; ++u) w[i * C::DWK + u] = cw[u];
       }
@@ -469,14 +464,9 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
     for (int i = 0; i < C::NT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
     float m_run[2] = {-CUDART_INF_F, -CUDART_INF_F}, l_run[2] = {0.f, 0.f};
 
-    // Keys t0 .. t0 + 31, of which [k_lo, k_hi) count. With codes, `next` >= 0 is the next
-    // chunk of this warp: its K codes load into cc once this chunk's scores are done and its
-    // V codes once this chunk's PV products are, so each load has half a chunk of work to
-    // hide behind without registers of its own (loaded after the chunk, they were waited
-    // for at once: global-load stalls were 19% of the samples, eval/results/ncu_decode/).
-    auto chunk = [&](auto win_tag, int t0, ChunkCodes<C>& cc, int k_lo, int k_hi, int next) {
+    // Keys t0 .. t0 + 31, of which [k_lo, k_hi) count.
+    auto chunk = [&](auto win_tag, int t0, const ChunkCodes<C>& cc, int k_lo, int k_hi) {
       constexpr bool WIN = decltype(win_tag)::value;
-      const uint8_t* next_reg = !WIN && next >= 0 ? cta.region(next) : nullptr;
       float s[2][4];
   #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -513,9 +503,6 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
         s[h][1] = va ? acc[1] * scale : -CUDART_INF_F;
         s[h][2] = vb ? acc[2] * scale : -CUDART_INF_F;
         s[h][3] = vb ? acc[3] * scale : -CUDART_INF_F;
-      }
-      if constexpr (!WIN) {
-        if (next >= 0) cta.load_k_codes(next_reg, next, cc);
       }
       // Online softmax for this lane's heads 2c (e = 0) and 2c + 1 (e = 1).
       float p[2][4], alpha[2];
@@ -561,7 +548,7 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
         for (int i = 0; i < C::VSUB; ++i) cv[i] = cc.v[h][i];
         if constexpr (!WIN) {
           if (r == 0 && (t0 < k_lo || t0 + kChunk > k_hi)) {  // edge chunks only
-            const int slot0 = (C::NV - cta.lk.rv) % C::NV;  // tile 0's slot (load_v_codes)
+            const int slot0 = (C::NV - cta.lk.rv) % C::NV;  // tile 0's slot (load_codes)
   #pragma unroll
             for (int j = 0; j < C::NV; ++j)
   #pragma unroll
@@ -581,9 +568,6 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
           }
         }
       }
-      if constexpr (!WIN) {
-        if (next >= 0) cta.load_v_codes(next_reg, next, cc);
-      }
     };
 
     constexpr int stride = C::kWarps * kChunk;
@@ -592,12 +576,8 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
       const int first = (t_begin / kChunk) * kChunk;
       code_chunks = ceil_div(t_end - first, kChunk);
       int t0 = first + warp * kChunk;
-      ChunkCodes<C> cc;
-      if (t0 < t_end) {  // in flight while the codebooks arrive
-        const uint8_t* reg = cta.region(t0);
-        cta.load_k_codes(reg, t0, cc);
-        cta.load_v_codes(reg, t0, cc);
-      }
+      ChunkCodes<C> cur, nxt;
+      if (t0 < t_end) cta.load_codes(t0, cur);  // in flight while the codebooks arrive
       if constexpr (C::kCbSmem) {
         if (LUT || !books_ready) {  // the copies (and this item's LUT) are visible after
           cp_async_wait_all();
@@ -605,14 +585,22 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
           books_ready = true;
         }
       }
-      for (; t0 < t_end; t0 += stride)
-        chunk(std::false_type{}, t0, cc, t_begin, t_end, t0 + stride < t_end ? t0 + stride : -1);
+      for (; t0 < t_end; t0 += stride) {
+        if constexpr (C::kPrefetch) {
+          if (t0 + stride < t_end) cta.load_codes(t0 + stride, nxt);
+          chunk(std::false_type{}, t0, cur, t_begin, t_end);
+          cur = nxt;
+        } else {
+          chunk(std::false_type{}, t0, cur, t_begin, t_end);
+          if (t0 + stride < t_end) cta.load_codes(t0 + stride, cur);
+        }
+      }
     }
     if (has_win) {  // the window's chunks go on round the warps where the codes' stopped
       ChunkCodes<C> none;
       for (int i = (warp - code_chunks % C::kWarps + C::kWarps) % C::kWarps; w_begin + i * kChunk < w_end;
            i += C::kWarps)
-        chunk(std::true_type{}, w_begin + i * kChunk, none, w_begin, w_end, -1);
+        chunk(std::true_type{}, w_begin + i * kChunk, none, w_begin, w_end);
     }
 
     // Combine the warps: each lane's l covers its rows only; sum over r.

@@ -5,90 +5,119 @@
 // rows: a row's result does not depend on what else is in the batch. (torch.matmul hands
 // these small GEMMs to cuBLAS, which picks its kernel, and with it the order of the sums,
 // by shape, so the same token could round differently in a batch of 1 and one of 64.)
-// One CTA takes R rows of one head: the rows go to shared memory as fp32, transposed so
-// that a thread reads the R rows of one k as R/4 float4 loads, the same words in every lane
-// (broadcasts); thread j owns output column j and reads column j of T 32 entries at a time,
-// all 32 loads issued before the multiply-adds that use them. (One load at a time, each
-// waited for, left the kernel latency-bound: 21 us for the 8 rows of a decode step, 108 us
-// for 1K rows, eval/results/maps_*/.) R is 8 for a decode step's few rows and 64 (32 at
-// head_dim 256, for shared memory) for more, so that each CTA's read of T serves more
-// rows; the sums are the same either way.
+// A CTA of 4 warps takes R rows of one head: the rows go to shared memory as fp32,
+// transposed ([k][row]: a warp reads its rows of one k as one vector, the same words in
+// every lane, a broadcast); warp w owns rows w*RW .., lane l owns the D/32 output columns
+// l*D/32 .., so that every x read serves D/32 columns and every T read (a vector of one row
+// of T) RW rows. T is read U rows at a time, all U loads issued before the multiply-adds
+// that use them. (With one column per thread, one row of T at a time and one shared load
+// per multiply-add, the kernel was latency- and shared-load-bound: 21 us for the 8 rows of
+// a decode step, 108 us for a step of 1K rows, eval/results/maps_*/.) A decode step's few
+// rows take CTAs of 8 rows (2 a warp), more rows CTAs of 64 (32 at head_dim 256, for
+// registers), so that each read of T serves more rows; the sums are the same either way.
 #include "pq_common.cuh"
 
 namespace pq {
 namespace {
 
-constexpr int kUnroll = 32;     // T entries in flight per thread (head_dim is a multiple)
-constexpr int kManyRows = 128;  // from here the larger R
+constexpr int kMapThreads = 128;
+constexpr int kManyRows = 128;  // from here the larger CTAs
 
-template <int R>
-__host__ __device__ constexpr int xs_stride() { return R + 4; }  // words between k rows: fewer
-                                                                 // bank conflicts on staging,
-                                                                 // float4-aligned
+template <int D, bool Many>
+struct MapCfg {
+  static constexpr int CPL = D / 32;                            // output columns per lane
+  static constexpr int RW = Many ? (D <= 128 ? 16 : 8) : 2;     // rows per warp
+  static constexpr int R = RW * kMapThreads / 32;               // rows per CTA
+  static constexpr int U = (Many ? 32 : 64) / CPL;              // rows of T in flight
+  static constexpr int S = R + 4;  // floats between k rows of the staged x: float4-aligned,
+                                   // fewer bank conflicts when staging
+  static_assert(D % U == 0 && D % 32 == 0, "head_dim");
+};
 
-template <typename T, int R>
-__global__ void map_kernel(MapArgs a) {
-  extern __shared__ float4 xs4[];  // [D][xs_stride<R>()] floats
-  float* xs = reinterpret_cast<float*>(xs4);
+template <int N>
+__device__ __forceinline__ void load_floats(const float* p, float (&f)[N]) {
+  uint32_t w[N];
+  load_words<N>(p, w);
+#pragma unroll
+  for (int i = 0; i < N; ++i) f[i] = __uint_as_float(w[i]);
+}
+
+// (A minimum of 1 CTA per SM lets ptxas keep the U loads of T in registers at once: with
+// the default bound it moved each load down to its multiply-adds, 34 registers instead of 96.)
+template <typename T, int D, bool Many>
+__global__ void __launch_bounds__(kMapThreads, 1) map_kernel(MapArgs a) {
+  using C = MapCfg<D, Many>;
+  __shared__ __align__(16) float xs[D * C::S];  // [k][row]
   const MapJob& job = a.jobs[blockIdx.z];
   const int head = blockIdx.y;
   if (head >= job.heads) return;
-  const int d = a.head_dim, j = threadIdx.x;
-  const int r0 = blockIdx.x * R, nr = min(R, a.rows - r0);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int r0 = blockIdx.x * C::R, nr = min(C::R, a.rows - r0);
   const T* x = static_cast<const T*>(job.x);
-  for (int i = j; i < R * d; i += blockDim.x) {
-    const int r = i / d, c = i % d;
-    xs[c * xs_stride<R>() + r] =
-        r < nr ? Elem<T>::to_float(x[(int64_t)(r0 + r) * job.x_stride + (int64_t)head * d + c]) : 0.f;
+  for (int i = threadIdx.x; i < C::R * D; i += kMapThreads) {
+    const int r = i / D, k = i % D;
+    xs[k * C::S + r] = r < nr ? Elem<T>::to_float(x[(int64_t)(r0 + r) * job.x_stride + (int64_t)head * D + k]) : 0.f;
   }
   __syncthreads();  // (y may alias x: every read of this CTA's rows is done before a write)
-  const float* t = job.t + (int64_t)(head / job.group) * d * d + j;
-  float acc[R];
+  const float* t = job.t + (int64_t)(head / job.group) * D * D + lane * C::CPL;
+  const float* xw = xs + warp * C::RW;
+  float acc[C::RW][C::CPL];
 #pragma unroll
-  for (int r = 0; r < R; ++r) acc[r] = 0.f;
-  for (int k0 = 0; k0 < d; k0 += kUnroll) {
-    float tk[kUnroll];
+  for (int r = 0; r < C::RW; ++r)
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) tk[u] = __ldg(t + (int64_t)(k0 + u) * d);
+    for (int c = 0; c < C::CPL; ++c) acc[r][c] = 0.f;
+  for (int k0 = 0; k0 < D; k0 += C::U) {
+    float tk[C::U][C::CPL];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const float4* xk = reinterpret_cast<const float4*>(xs + (k0 + u) * xs_stride<R>());
+    for (int u = 0; u < C::U; ++u) load_floats<C::CPL>(t + (k0 + u) * D, tk[u]);
 #pragma unroll
-      for (int q = 0; q < R / 4; ++q) {
-        const float4 v = xk[q];
-        acc[4 * q] = __fmaf_rn(v.x, tk[u], acc[4 * q]);
-        acc[4 * q + 1] = __fmaf_rn(v.y, tk[u], acc[4 * q + 1]);
-        acc[4 * q + 2] = __fmaf_rn(v.z, tk[u], acc[4 * q + 2]);
-        acc[4 * q + 3] = __fmaf_rn(v.w, tk[u], acc[4 * q + 3]);
-      }
+    for (int u = 0; u < C::U; ++u) {
+      float xv[C::RW];
+      load_floats<C::RW>(xw + (k0 + u) * C::S, xv);
+#pragma unroll
+      for (int r = 0; r < C::RW; ++r)
+#pragma unroll
+        for (int c = 0; c < C::CPL; ++c) acc[r][c] = __fmaf_rn(xv[r], tk[u][c], acc[r][c]);
     }
   }
   T* y = static_cast<T*>(job.y);
 #pragma unroll
-  for (int r = 0; r < R; ++r)
-    if (r < nr) y[(int64_t)(r0 + r) * job.y_stride + (int64_t)head * d + j] = Elem<T>::from_float(acc[r]);
+  for (int r = 0; r < C::RW; ++r) {
+    const int row = warp * C::RW + r;
+    if (row >= nr) break;
+    uint32_t w[C::CPL / 2];
+#pragma unroll
+    for (int c = 0; c < C::CPL / 2; ++c) w[c] = Elem<T>::pack(acc[r][2 * c], acc[r][2 * c + 1]);
+    store_words<C::CPL / 2>(y + (int64_t)(r0 + row) * job.y_stride + (int64_t)head * D + lane * C::CPL, w);
+  }
 }
 
-template <typename T, int R>
+template <typename T, int D>
 cudaError_t launch_map(const MapArgs& a, int heads, cudaStream_t stream) {
-  const dim3 grid(ceil_div(a.rows, R), heads, a.num_jobs);
-  const size_t smem = sizeof(float) * xs_stride<R>() * a.head_dim;  // <= 35 KB
-  map_kernel<T, R><<<grid, a.head_dim, smem, stream>>>(a);
+  const bool many = a.rows >= kManyRows;
+  const dim3 grid(ceil_div(a.rows, many ? MapCfg<D, true>::R : MapCfg<D, false>::R), heads, a.num_jobs);
+  if (many)
+    map_kernel<T, D, true><<<grid, kMapThreads, 0, stream>>>(a);
+  else
+    map_kernel<T, D, false><<<grid, kMapThreads, 0, stream>>>(a);
   return cudaGetLastError();
 }
 
 template <typename T>
 cudaError_t map_typed(const MapArgs& a, int heads, cudaStream_t stream) {
-  if (a.rows < kManyRows) return launch_map<T, 8>(a, heads, stream);
-  return a.head_dim <= 128 ? launch_map<T, 64>(a, heads, stream) : launch_map<T, 32>(a, heads, stream);
+  switch (a.head_dim) {
+    case 64: return launch_map<T, 64>(a, heads, stream);
+    case 128: return launch_map<T, 128>(a, heads, stream);
+    case 256: return launch_map<T, 256>(a, heads, stream);
+    default: return cudaErrorInvalidValue;
+  }
 }
 
 }  // namespace
 
 cudaError_t map_rows(const MapArgs& a, cudaStream_t stream) {
   if (a.rows == 0 || a.num_jobs == 0) return cudaSuccess;
-  if (a.num_jobs > kMaxMapJobs || a.head_dim <= 0 || a.head_dim > 1024 || a.head_dim % kUnroll)
-    return cudaErrorInvalidValue;
+  if (a.num_jobs > kMaxMapJobs) return cudaErrorInvalidValue;
   int heads = 0;
   for (int i = 0; i < a.num_jobs; ++i) heads = max(heads, a.jobs[i].heads);
   return a.dtype == DType::kBFloat16 ? map_typed<__nv_bfloat16>(a, heads, stream)

@@ -12,9 +12,10 @@
 // of T) RW rows. T is read U rows at a time, all U loads issued before the multiply-adds
 // that use them. (With one column per thread, one row of T at a time and one shared load
 // per multiply-add, the kernel was latency- and shared-load-bound: 21 us for the 8 rows of
-// a decode step, 108 us for a step of 1K rows, eval/results/maps_*/.) A decode step's few
-// rows take CTAs of 8 rows (2 a warp), more rows CTAs of 64 (32 at head_dim 256, for
-// registers), so that each read of T serves more rows; the sums are the same either way.
+// a decode step, 108 us for a step of 1K rows, eval/results/layer_maps_145046e/.) A decode
+// step's few rows take CTAs of 8 rows (2 a warp), more rows CTAs of 64 (32 at head_dim
+// 256, for registers), so that each read of T serves more rows; the sums are the same
+// either way.
 #include "pq_common.cuh"
 
 namespace pq {

@@ -4,7 +4,6 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
-#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -310,9 +309,11 @@ void map_rows(std::vector<Tensor> out, const std::vector<Tensor>& x, const std::
     check_dtype(out[i], oi.c_str(), x[0].scalar_type());
     TORCH_CHECK(x[i].stride(2) == 1 && x[i].stride(1) == d && out[i].stride(2) == 1 && out[i].stride(1) == d,
                 "vllm_pq_backend: ", xi, " and ", oi, " must be [rows, heads, head_dim] with dense heads");
-    // a lane writes head_dim / 32 elements of a row at once (pq_map.cu)
-    const int64_t align = std::min<int64_t>(16, d / 16);
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(out[i].data_ptr()) % align == 0 && (out[i].stride(0) * 2) % align == 0,
+    // the kernel reads rows in 16-byte pieces and writes them in map_out_align's (pq_map.cu)
+    const int64_t esz = x[i].element_size(), align = pq::map_out_align(static_cast<int>(d));
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(x[i].data_ptr()) % 16 == 0 && (x[i].stride(0) * esz) % 16 == 0,
+                "vllm_pq_backend: ", xi, " and its rows must be 16-byte aligned");
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(out[i].data_ptr()) % align == 0 && (out[i].stride(0) * esz) % align == 0,
                 "vllm_pq_backend: ", oi, " and its rows must be ", align, "-byte aligned");
     check(t[i], ti.c_str(), dev, {-1, d, d});
     check_dtype(t[i], ti.c_str(), at::kFloat);

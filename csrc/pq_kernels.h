@@ -86,7 +86,8 @@ struct DecodeArgs {
 };
 
 // y = x T for the rows of one tensor: x, y [rows, heads, D] (activation dtype, dense
-// heads), T [maps, D, D] fp32 row-major; head h uses map h / group. y may be x.
+// heads), T [maps, D, D] fp32 row-major; head h uses map h / group. y may be x. x's rows
+// are read as 16-byte pieces, y's written as map_out_align(D)-byte ones (pq_map.cu).
 struct MapJob {
   const void* x;
   void* y;
@@ -96,6 +97,7 @@ struct MapJob {
 };
 
 constexpr int kMaxMapJobs = 3;
+constexpr int map_out_align(int head_dim) { return head_dim == 128 ? 8 : 4; }
 
 struct MapArgs {
   MapJob jobs[kMaxMapJobs];

@@ -1,115 +1,155 @@
 // The codebooks' linear maps (vllm_pq_backend/codebooks.py): y[r, h] = x[r, h] T[h / group],
 // for up to three tensors in one launch (query, key and value rows of a step).
 //
-// Each output element is an fp32 sum over k = 0..D-1 in that order, whatever the number of
-// rows: a row's result does not depend on what else is in the batch. (torch.matmul hands
-// these small GEMMs to cuBLAS, which picks its kernel, and with it the order of the sums,
-// by shape, so the same token could round differently in a batch of 1 and one of 64.)
-// A CTA of 4 warps takes R rows of one head: the rows go to shared memory as fp32,
-// transposed ([k][row]: a warp reads its rows of one k as one vector, the same words in
-// every lane, a broadcast); warp w owns rows w*RW .., lane l owns the D/32 output columns
-// l*D/32 .., so that every x read serves D/32 columns and every T read (a vector of one row
-// of T) RW rows. T is read U rows at a time, all U loads issued before the multiply-adds
-// that use them. (With one column per thread, one row of T at a time and one shared load
-// per multiply-add, the kernel was latency- and shared-load-bound: 21 us for the 8 rows of
-// a decode step, 108 us for a step of 1K rows, eval/results/layer_maps_145046e/.) A decode
-// step's few rows take CTAs of 8 rows (2 a warp), more rows CTAs of 64 (32 at head_dim
-// 256, for registers), so that each read of T serves more rows; the sums are the same
-// either way.
+// On tensor cores. T (fp32) is split into two parts of the activation's 16-bit type,
+// T = Thi + Tlo + e with |e| <= 2^-18 |T| (bf16; 2^-24 for fp16), and mma.m16n8k16 sums
+// x Thi + x Tlo in fp32: x is exact in its own type, so the map keeps fp32's accuracy,
+// which a 16-bit T would not (impl.py), for two MMAs per product. A row's result does not
+// depend on the rest of the batch: each output element is the same sequence of MMAs over
+// k, in the same order, whichever tile and CTA the row lands in, and the rows of an MMA
+// tile do not mix. (torch.matmul hands these small GEMMs to cuBLAS, which picks its
+// kernel, and with it the order of the sums, by shape.)
+//
+// A CTA takes R row-vectors (row, head) of one map's heads: it stages them in shared
+// memory, then each of its 8 warps computes D/8 output columns (NTW n-tiles of 8) of all
+// of them, its slice of Thi / Tlo held in registers as MMA B fragments (head_dim 256: one
+// n-tile at a time, for registers). Sums run over a permuted k (dims), the same for A and
+// B: in k-step j lane column c holds dims 32*(j/2) + 8c + 4*(j%2) + {0..3}, so that one
+// 16-byte shared load gives a lane two k-steps of a row. Output columns are permuted
+// across a warp's n-tiles (col_of) so that a lane's accumulators are 2*NTW consecutive
+// columns of its rows: one store each. (The CUDA-core kernel before, fp32 multiply-adds
+// with T in registers, took 4.8 us for a decode step of 8 rows and 53.8 us for 1K rows:
+// eval/results/layer_maps_145046e/.)
 #include "pq_common.cuh"
 
 namespace pq {
 namespace {
 
-constexpr int kMapThreads = 128;
-constexpr int kManyRows = 128;  // from here the larger CTAs
+constexpr int kMapWarps = 8;
 
-template <int D, bool Many>
+template <int D>
 struct MapCfg {
-  static constexpr int CPL = D / 32;                            // output columns per lane
-  static constexpr int RW = Many ? (D <= 128 ? 16 : 8) : 2;     // rows per warp
-  static constexpr int R = RW * kMapThreads / 32;               // rows per CTA
-  static constexpr int U = (Many ? 32 : 64) / CPL;              // rows of T in flight
-  static constexpr int S = R + 4;  // floats between k rows of the staged x: float4-aligned,
-                                   // fewer bank conflicts when staging
-  static_assert(D % U == 0 && D % 32 == 0, "head_dim");
+  static constexpr int KS = D / 16;              // k-steps
+  static constexpr int NTW = D / 8 / kMapWarps;  // n-tiles (8 output columns) per warp
+  static constexpr int NP = D == 256 ? 1 : NTW;  // n-tiles whose B fragments are held at once
+  static constexpr int MT = D == 256 ? 4 : 8;    // m-tiles (16 row-vectors) per CTA
+  static constexpr int R = 16 * MT;              // row-vectors per CTA
+  // bytes between staged row-vectors: 4 mod 8 16-byte units, so that the 8 lanes of a
+  // 16-byte load's phase (rows r, r + 1, columns c = 0..3) hit distinct banks
+  static constexpr int SP = 2 * D + 64;
+  static_assert(NTW >= 1 && 4 * NP == map_out_align(D), "a lane stores NP words of a row");
 };
 
-template <int N>
-__device__ __forceinline__ void load_floats(const float* p, float (&f)[N]) {
-  uint32_t w[N];
-  load_words<N>(p, w);
-#pragma unroll
-  for (int i = 0; i < N; ++i) f[i] = __uint_as_float(w[i]);
+// Output column of lane row (B) / accumulator column (C) n of the warp's n-tile s.
+template <int D>
+__device__ __forceinline__ int col_of(int warp, int s, int n) {
+  constexpr int NTW = MapCfg<D>::NTW;
+  return 8 * NTW * warp + 2 * NTW * (n / 2) + 2 * s + n % 2;
 }
 
-// (A minimum of 1 CTA per SM lets ptxas keep the U loads of T in registers at once: with
-// the default bound it moved each load down to its multiply-adds, 34 registers instead of 96.)
-template <typename T, int D, bool Many>
-__global__ void __launch_bounds__(kMapThreads, 1) map_kernel(MapArgs a) {
-  using C = MapCfg<D, Many>;
-  __shared__ __align__(16) float xs[D * C::S];  // [k][row]
+// Two fp32 values as a pair of the 16-bit type T (hi) and the pair of their remainders (lo).
+template <typename T>
+__device__ __forceinline__ void split_pair(float f0, float f1, uint32_t& hi, uint32_t& lo) {
+  hi = Elem<T>::pack(f0, f1);
+  const T* h = reinterpret_cast<const T*>(&hi);
+  lo = Elem<T>::pack(f0 - Elem<T>::to_float(h[0]), f1 - Elem<T>::to_float(h[1]));
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(32 * kMapWarps) map_kernel(MapArgs a) {
+  using C = MapCfg<D>;
+  __shared__ __align__(16) uint8_t xs[C::R * C::SP];
   const MapJob& job = a.jobs[blockIdx.z];
-  const int head = blockIdx.y;
-  if (head >= job.heads) return;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int r0 = blockIdx.x * C::R, nr = min(C::R, a.rows - r0);
+  const int map = blockIdx.y, nvec = a.rows * job.group, v0 = blockIdx.x * C::R;
+  if (map >= job.heads / job.group || v0 >= nvec) return;
+  const int nv = min(C::R, nvec - v0);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, r = lane / 4, c = lane % 4;
+  // row-vector v: row v / group, head map * group + v % group (heads of a row are adjacent)
+  auto offset = [&](int v, int64_t stride) {
+    return (v / job.group) * stride + (int64_t)(map * job.group + v % job.group) * D;
+  };
+
+  // B fragments of the warp's n-tiles s0 .. s0 + NP - 1: [n-tile][k-step][b0, b1]
+  const float* t = job.t + (int64_t)map * D * D;
+  uint32_t bh[C::NP][C::KS][2], bl[C::NP][C::KS][2];
+  auto load_b = [&](int s0) {
+#pragma unroll
+    for (int s = 0; s < C::NP; ++s) {
+      const float* tc = t + col_of<D>(warp, s0 + s, r);
+#pragma unroll
+      for (int j = 0; j < C::KS; ++j) {
+        const int d0 = 32 * (j / 2) + 8 * c + 4 * (j % 2);
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          split_pair<T>(tc[(d0 + 2 * h) * D], tc[(d0 + 2 * h + 1) * D], bh[s][j][h], bl[s][j][h]);
+      }
+    }
+  };
+  load_b(0);
+
   const T* x = static_cast<const T*>(job.x);
-  for (int i = threadIdx.x; i < C::R * D; i += kMapThreads) {
-    const int r = i / D, k = i % D;
-    xs[k * C::S + r] = r < nr ? Elem<T>::to_float(x[(int64_t)(r0 + r) * job.x_stride + (int64_t)head * D + k]) : 0.f;
+  constexpr int CPR = D / 8;  // 16-byte pieces of a row-vector
+  for (int i = threadIdx.x; i < C::R * CPR; i += 32 * kMapWarps) {
+    const int vi = i / CPR, q = i % CPR;
+    uint4 w = make_uint4(0u, 0u, 0u, 0u);
+    if (vi < nv) w = *reinterpret_cast<const uint4*>(x + offset(v0 + vi, job.x_stride) + 8 * q);
+    *reinterpret_cast<uint4*>(xs + vi * C::SP + 16 * q) = w;
   }
   __syncthreads();  // (y may alias x: every read of this CTA's rows is done before a write)
-  const float* t = job.t + (int64_t)(head / job.group) * D * D + lane * C::CPL;
-  const float* xw = xs + warp * C::RW;
-  float acc[C::RW][C::CPL];
-#pragma unroll
-  for (int r = 0; r < C::RW; ++r)
-#pragma unroll
-    for (int c = 0; c < C::CPL; ++c) acc[r][c] = 0.f;
-  for (int k0 = 0; k0 < D; k0 += C::U) {
-    float tk[C::U][C::CPL];
-#pragma unroll
-    for (int u = 0; u < C::U; ++u) load_floats<C::CPL>(t + (k0 + u) * D, tk[u]);
-#pragma unroll
-    for (int u = 0; u < C::U; ++u) {
-      float xv[C::RW];
-      load_floats<C::RW>(xw + (k0 + u) * C::S, xv);
-#pragma unroll
-      for (int r = 0; r < C::RW; ++r)
-#pragma unroll
-        for (int c = 0; c < C::CPL; ++c) acc[r][c] = __fmaf_rn(xv[r], tk[u][c], acc[r][c]);
-    }
-  }
+
+  const uint32_t xs_at = static_cast<uint32_t>(__cvta_generic_to_shared(xs)) + r * C::SP + 16 * c;
   T* y = static_cast<T*>(job.y);
+  for (int s0 = 0; s0 < C::NTW; s0 += C::NP) {
+    if (s0 > 0) load_b(s0);
+    for (int mt = 0; 16 * mt < nv; ++mt) {
+      float acc[C::NP][4];
 #pragma unroll
-  for (int r = 0; r < C::RW; ++r) {
-    const int row = warp * C::RW + r;
-    if (row >= nr) break;
-    uint32_t w[C::CPL / 2];
+      for (int s = 0; s < C::NP; ++s) acc[s][0] = acc[s][1] = acc[s][2] = acc[s][3] = 0.f;
 #pragma unroll
-    for (int c = 0; c < C::CPL / 2; ++c) w[c] = Elem<T>::pack(acc[r][2 * c], acc[r][2 * c + 1]);
-    store_words<C::CPL / 2>(y + (int64_t)(r0 + row) * job.y_stride + (int64_t)head * D + lane * C::CPL, w);
+      for (int i = 0; i < D / 32; ++i) {
+        uint32_t u0[4], u1[4];  // rows r and r + 8, dims 32i + 8c .. + 7
+        lds_words<4>(xs_at + 16 * mt * C::SP + 64 * i, u0);
+        lds_words<4>(xs_at + (16 * mt + 8) * C::SP + 64 * i, u1);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {  // k-step 2i + h
+          const uint32_t af[4] = {u0[2 * h], u1[2 * h], u0[2 * h + 1], u1[2 * h + 1]};
+#pragma unroll
+          for (int s = 0; s < C::NP; ++s) {
+            mma<T>(acc[s], af, bh[s][2 * i + h][0], bh[s][2 * i + h][1]);
+            mma<T>(acc[s], af, bl[s][2 * i + h][0], bl[s][2 * i + h][1]);
+          }
+        }
+      }
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int vi = 16 * mt + r + 8 * e;
+        if (vi >= nv) continue;
+        uint32_t w[C::NP];
+#pragma unroll
+        for (int s = 0; s < C::NP; ++s) w[s] = Elem<T>::pack(acc[s][2 * e], acc[s][2 * e + 1]);
+        store_words<C::NP>(y + offset(v0 + vi, job.y_stride) + col_of<D>(warp, s0, 2 * c), w);
+      }
+    }
   }
 }
 
 template <typename T, int D>
-cudaError_t launch_map(const MapArgs& a, int heads, cudaStream_t stream) {
-  const bool many = a.rows >= kManyRows;
-  const dim3 grid(ceil_div(a.rows, many ? MapCfg<D, true>::R : MapCfg<D, false>::R), heads, a.num_jobs);
-  if (many)
-    map_kernel<T, D, true><<<grid, kMapThreads, 0, stream>>>(a);
-  else
-    map_kernel<T, D, false><<<grid, kMapThreads, 0, stream>>>(a);
+cudaError_t launch_map(const MapArgs& a, cudaStream_t stream) {
+  int maps = 0, vecs = 0;
+  for (int i = 0; i < a.num_jobs; ++i) {
+    maps = max(maps, a.jobs[i].heads / a.jobs[i].group);
+    vecs = max(vecs, a.rows * a.jobs[i].group);
+  }
+  map_kernel<T, D><<<dim3(ceil_div(vecs, MapCfg<D>::R), maps, a.num_jobs), 32 * kMapWarps, 0, stream>>>(a);
   return cudaGetLastError();
 }
 
 template <typename T>
-cudaError_t map_typed(const MapArgs& a, int heads, cudaStream_t stream) {
+cudaError_t map_typed(const MapArgs& a, cudaStream_t stream) {
   switch (a.head_dim) {
-    case 64: return launch_map<T, 64>(a, heads, stream);
-    case 128: return launch_map<T, 128>(a, heads, stream);
-    case 256: return launch_map<T, 256>(a, heads, stream);
+    case 64: return launch_map<T, 64>(a, stream);
+    case 128: return launch_map<T, 128>(a, stream);
+    case 256: return launch_map<T, 256>(a, stream);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -119,10 +159,7 @@ cudaError_t map_typed(const MapArgs& a, int heads, cudaStream_t stream) {
 cudaError_t map_rows(const MapArgs& a, cudaStream_t stream) {
   if (a.rows == 0 || a.num_jobs == 0) return cudaSuccess;
   if (a.num_jobs > kMaxMapJobs) return cudaErrorInvalidValue;
-  int heads = 0;
-  for (int i = 0; i < a.num_jobs; ++i) heads = max(heads, a.jobs[i].heads);
-  return a.dtype == DType::kBFloat16 ? map_typed<__nv_bfloat16>(a, heads, stream)
-                                     : map_typed<__half>(a, heads, stream);
+  return a.dtype == DType::kBFloat16 ? map_typed<__nv_bfloat16>(a, stream) : map_typed<__half>(a, stream);
 }
 
 }  // namespace pq

@@ -13,6 +13,7 @@ once per backend, then the table compares them:
 
     python eval/bench_e2e.py --backend FLASH_ATTN
     python eval/bench_e2e.py --backend CUSTOM --m 32
+    python eval/bench_e2e.py --backend CUSTOM --m 64 --maps  # codebooks with K/V maps
     python eval/bench_e2e.py --backend TURBOQUANT
     python eval/bench_e2e.py --table
 """
@@ -41,9 +42,12 @@ LLAMA3_8B = {
 CONTEXTS = (1024, 8192, 32768)
 
 
-def write_model_dir(d: str, ms) -> str:
+def write_model_dir(d: str, ms, maps: bool = False) -> str:
     """config.json of Llama-3-8B's shape in ``d``, and random codebooks for CUSTOM with
-    each M of ``ms`` (speed does not depend on what the centroids are)."""
+    each M of ``ms`` (speed does not depend on what the centroids are). With ``maps`` the
+    codebooks carry K and V maps, as ``calibrate`` writes them by default: random rotations,
+    so that the query / key / value / output maps run as with calibrated codebooks while the
+    store sees rows distributed as without maps (speed does not depend on the maps' values)."""
     import torch
     from transformers import LlamaConfig
 
@@ -58,23 +62,29 @@ def write_model_dir(d: str, ms) -> str:
     for m in ms:
         shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, m, 256, cfg.head_dim // m)
         k, v = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
-        save_codebooks(default_codebook_path(d, m), k, v, cfg, {"model": "random (benchmark)"})
+        rotations = {}
+        if maps:
+            for name in ("k_transform", "v_transform"):
+                rotations[name] = torch.linalg.qr(torch.randn(*shape[:2], cfg.head_dim, cfg.head_dim,
+                                                              generator=g))[0].contiguous()
+        save_codebooks(default_codebook_path(d, m), k, v, cfg, {"model": "random (benchmark)"},
+                       **rotations)
     return d
 
 
-def make_model_dir(m: int) -> str:
+def make_model_dir(m: int, maps: bool = False) -> str:
     """A temporary Llama-3-8B-shaped model folder with random codebooks of M ``m``."""
-    return write_model_dir(tempfile.mkdtemp(prefix="llama3-8b-shape-"), [m])
+    return write_model_dir(tempfile.mkdtemp(prefix="llama3-8b-shape-"), [m], maps)
 
 
-def engine_backend(backend: str, m: int) -> tuple[dict, str]:
+def engine_backend(backend: str, m: int, maps: bool = False) -> tuple[dict, str]:
     """`LLM` keyword arguments that pick ``backend``, and its rows' name (CUSTOM by bits
-    per element: ``m`` subspaces of head_dim 128)."""
+    per element: ``m`` subspaces of head_dim 128; ", maps" where its codebooks have them)."""
     from vllm_pq_backend.layout import bits_of
 
     if backend == "CUSTOM":
         return (dict(attention_backend="CUSTOM", additional_config={"pq": {"m": m}}),
-                f"CUSTOM {bits_of(128, m)} bits")
+                f"CUSTOM {bits_of(128, m)} bits" + (", maps" if maps else ""))
     if backend == "TURBOQUANT":
         return dict(kv_cache_dtype="turboquant_4bit_nc"), "TURBOQUANT 4bit_nc"
     return dict(attention_backend=backend), backend
@@ -106,12 +116,12 @@ def run(args) -> list[dict]:
     from vllm import LLM
     from vllm.inputs import TokensPrompt
 
-    model = make_model_dir(args.m)
+    model = make_model_dir(args.m, args.maps)
     kw = dict(model=model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
               max_model_len=max(args.contexts) + args.gen_tokens + 256,
               gpu_memory_utilization=args.gpu_memory_utilization,
               max_num_seqs=args.max_num_seqs, enable_prefix_caching=True, seed=0)
-    backend_kw, name = engine_backend(args.backend, args.m)
+    backend_kw, name = engine_backend(args.backend, args.m, args.maps)
     kw.update(backend_kw)
     t0 = time.time()
     llm = LLM(**kw)
@@ -165,6 +175,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backend", choices=["CUSTOM", "FLASH_ATTN", "TURBOQUANT"])
     p.add_argument("--m", type=int, default=32)
+    p.add_argument("--maps", action="store_true", help="CUSTOM: codebooks with K and V maps")
     p.add_argument("--contexts", type=int, nargs="+", default=list(CONTEXTS))
     p.add_argument("--max-batch", type=int, nargs="+", default=[256, 128, 64],
                    help="batch cap per context (bounds the prefill time of the benchmark)")

@@ -13,6 +13,7 @@ Triton compiles) with other tokens. Rows are appended to --out per backend; then
 
     python eval/bench_prefill.py --backend FLASH_ATTN
     python eval/bench_prefill.py --backend CUSTOM --m 64      # 4 bits (head_dim 128)
+    python eval/bench_prefill.py --backend CUSTOM --m 64 --maps  # codebooks with K/V maps
     python eval/bench_prefill.py --table
     # tuning the prefill plan: prefix hits only, each path forced, in one engine
     python eval/bench_prefill.py --backend CUSTOM --lengths --long 0 --suffix 8 16 32 \
@@ -57,12 +58,12 @@ def run(args) -> list[dict]:
 
     from vllm_pq_backend import codes_attention
 
-    model = make_model_dir(args.m)
+    model = make_model_dir(args.m, args.maps)
     longest = max([args.long, *args.lengths, max(args.prefix, default=0) + max(args.suffix)])
     kw = dict(model=model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
               max_model_len=longest + 16, gpu_memory_utilization=args.gpu_memory_utilization,
               enable_prefix_caching=True, seed=0)
-    backend_kw, name = engine_backend(args.backend, args.m)
+    backend_kw, name = engine_backend(args.backend, args.m, args.maps)
     llm = LLM(**kw, **backend_kw)
     sched = llm.llm_engine.vllm_config.scheduler_config
     rows = []
@@ -131,6 +132,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backend", choices=["CUSTOM", "FLASH_ATTN", "TURBOQUANT"])
     p.add_argument("--m", type=int, default=64, help="CUSTOM: subspaces (64: 4 bits, 32: 2 bits)")
+    p.add_argument("--maps", action="store_true", help="CUSTOM: codebooks with K and V maps")
     p.add_argument("--lengths", type=int, nargs="*", default=list(LENGTHS))
     p.add_argument("--batch-tokens", type=int, default=65536)
     p.add_argument("--long", type=int, default=131072 - 16, help="0: no long prompt")

@@ -3,7 +3,7 @@ head_dim 128; bench_e2e.LLAMA3_8B), for timing where the weights do not matter; 
 tokenizer is copied from another local model folder.
 
     python eval/random_model.py OUT_DIR --tokenizer-from eval/data/smollm2
-    python eval/random_model.py OUT_DIR --tokenizer-from eval/data/smollm2 --dummy --bits 4 2
+    python eval/random_model.py OUT_DIR --tokenizer-from eval/data/smollm2 --dummy --bits 4 2 [--maps]
 
 With --dummy only config.json and the tokenizer are written (serve it with
 ``--load-format dummy``), plus random PQ codebooks at the given bits per element under
@@ -28,10 +28,12 @@ def main() -> None:
     p.add_argument("--dummy", action="store_true", help="config and codebooks only, no weights")
     p.add_argument("--bits", type=int, nargs="+", default=[4], choices=(2, 4),
                    help="bits per element of the random codebooks (--dummy)")
+    p.add_argument("--maps", action="store_true",
+                   help="codebooks with K and V maps, as calibrate writes them (--dummy)")
     a = p.parse_args()
     cfg = LlamaConfig(**LLAMA3_8B)
     if a.dummy:
-        write_model_dir(a.out, [cfg.head_dim * bits // 8 for bits in a.bits])  # 8-bit codes
+        write_model_dir(a.out, [cfg.head_dim * bits // 8 for bits in a.bits], a.maps)  # 8-bit codes
     else:
         torch.set_default_dtype(torch.bfloat16)
         with torch.device("cuda" if torch.cuda.is_available() else "cpu"):

@@ -51,6 +51,11 @@ class LayerState:
             "key": tk, "query": None if tk is None else torch.linalg.inv(tk.double()).mT.float(),
             "value": tv, "output": None if tv is None else torch.linalg.inv(tv.double()).float(),
         }
+        # the map kernel multiplies in the activation dtype (T split in two parts, pq_map.cu)
+        big = max((t.abs().max().item() for t in self.maps.values() if t is not None), default=0.0)
+        if big > torch.finfo(dtype).max:
+            raise ValueError(f"layer {layer_index}: the codebooks' maps reach {big:.3g}, beyond "
+                             f"{dtype}'s range; run the model in bfloat16 or recalibrate.")
         # contiguous: linalg.inv returns column-major matrices, the map kernel reads rows
         self.maps = {k: None if t is None else t.to(device).contiguous()
                      for k, t in self.maps.items()}

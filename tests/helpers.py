@@ -163,8 +163,10 @@ class Sim:
         self.free_blocks = r.blocks[keep_blocks:] + self.free_blocks
         return r.blocks[:keep_blocks]
 
-    def step(self, work: list[tuple[int, int]], rows_for=None):
-        """``work``: (rid, new tokens). Returns {rid: output [n, Hq, d]}."""
+    def step(self, work: list[tuple[int, int]], rows_for=None, pad=0):
+        """``work``: (rid, new tokens). Returns {rid: output [n, Hq, d]}. ``pad``: rows of
+        junk after the step's tokens, their slots -1, as vLLM pads a step to a CUDA-graph
+        size (num_actual_tokens stays the step's own count)."""
         from vllm.v1.attention.backend import CommonAttentionMetadata
 
         work = sorted(work, key=lambda w: w[1] > 1)  # decodes first, as vLLM reorders
@@ -197,12 +199,14 @@ class Sim:
             query_start_loc=qsl_t.to(dev), query_start_loc_cpu=qsl_t, seq_lens=seq_t.to(dev),
             num_reqs=len(work), num_actual_tokens=qsl[-1], max_query_len=max(n for _, n in work),
             max_seq_len=max(seq), block_table_tensor=table.to(dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            slot_mapping=torch.tensor(slots + [-1] * pad, dtype=torch.int64, device=dev),
             seq_lens_cpu_upper_bound=seq_t, req_idx=np.array(rows),
         )
         md = self.builder.build(0, cam)
         # views of one packed row per token, strided as vLLM's qkv split leaves them
-        parts = [torch.cat(x) for x in (q_all, k_all, v_all)]
+        junk = [torch.full((pad, *x[0].shape[1:]), 1e4, dtype=self.dtype, device=dev)
+                for x in (q_all, k_all, v_all)]
+        parts = [torch.cat(x + [j]) for x, j in zip((q_all, k_all, v_all), junk)]
         packed = torch.cat([x.flatten(1) for x in parts], dim=1)
         query, key, value = (y.view(x.shape) for x, y in zip(
             parts, packed.split([x[0].numel() for x in parts], dim=1)))

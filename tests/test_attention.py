@@ -66,6 +66,25 @@ def test_prefill_decode_mixed(model_factory, target, head_dim, q_heads, kv_heads
         check(sim, sim.step([(0, 1), (1, 1), (2, 1), (3, 1)]), window)
 
 
+@pytest.mark.parametrize("window", [0, 32])
+def test_step_padded_to_a_cuda_graph_size(model_factory, target, window):
+    """vLLM pads a step's tokens to a CUDA-graph size: q/k/v get junk rows after the
+    step's own and the slot mapping -1 entries, num_actual_tokens stays the own count. The
+    outputs of the own rows and the whole cache are those of the unpadded step, exactly."""
+    model = model_factory(64, 4, 2, False)
+    vc = vllm_config(model, block_size=64, pq={"window": window, "m": 32})
+    sims = [make_sim(vc, target, seed=7) for _ in range(2)]
+    for sim in sims:
+        for rid in range(3):
+            sim.add(rid)
+    for work, pad in (([(0, 70), (1, 5)], 3), ([(0, 1), (1, 1), (2, 40)], 5),
+                      ([(0, 1), (1, 1), (2, 1)], 1)):
+        plain, padded = sims[0].step(work), sims[1].step(work, pad=pad)
+        for rid, out in plain.items():
+            assert torch.equal(padded[rid], out), f"request {rid}, pad {pad}"
+        assert torch.equal(sims[1].kv_cache, sims[0].kv_cache)
+
+
 @pytest.mark.parametrize("block,window,sliding", [(32, 0, 48), (32, 32, 48), (64, 32, 80),
                                                   (64, 64, 96), (128, 16, 64)])
 def test_sliding_window_layer(model_factory, target, block, window, sliding):

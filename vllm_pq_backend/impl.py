@@ -217,9 +217,10 @@ class PQAttentionImpl(AttentionImpl[PQMetadata]):
         out = output[:n]
         q, k, v = st.map(("query", query[:n]), ("key", key[:n]), ("value", value[:n]))
         # The step's codes first: a prefill chunk's codes part reads its own tokens' codes.
-        # (The slot mapping has n entries, -1 for CUDA-graph padding: stored nowhere.)
+        # vLLM pads the slot mapping to the CUDA-graph size with -1 (stored nowhere); the
+        # store takes the n rows of the step's own tokens.
         if kv_cache.numel():
-            ops.store(kv_cache, k, v, md.slot_mapping, st)
+            ops.store(kv_cache, k, v, md.slot_mapping[:n], st)
         if md.num_decodes:
             ops.decode(out, q, k, v, kv_cache, md, st, self.scale)
         if md.num_prefills:

@@ -5,7 +5,7 @@ random block tables, GQA, head_dim 64 and 128."""
 import pytest
 import torch
 
-from helpers import Sim, vllm_config
+from helpers import Sim, hf_config, vllm_config, write_model_config
 
 # cpu: the PyTorch reference path in float32, differences are rounding only.
 # cuda: the CUDA store/decode kernels and FlashAttention prefill in bfloat16.
@@ -83,6 +83,27 @@ def test_step_padded_to_a_cuda_graph_size(model_factory, target, window):
         for rid, out in plain.items():
             assert torch.equal(padded[rid], out), f"request {rid}, pad {pad}"
         assert torch.equal(sims[1].kv_cache, sims[0].kv_cache)
+
+
+def test_maps_beyond_the_activation_dtype_are_refused(tmp_path):
+    """The map kernel splits each map into two parts of the activation dtype (pq_map.cu):
+    a map entry beyond float16's range is refused with a one-line error when the layer's
+    state is built, not turned into inf."""
+    from vllm_pq_backend import codebooks
+    from vllm_pq_backend.config import default_codebook_path
+
+    d = str(tmp_path)
+    write_model_config(d, head_dim=64)
+    cfg = hf_config(d)
+    shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, 32, 256, 2)
+    eye = torch.eye(64).expand(*shape[:2], 64, 64)
+    codebooks.save_codebooks(default_codebook_path(d, 32, 32), torch.randn(shape),
+                             torch.randn(shape), cfg, {"model": d},
+                             k_transform=1e5 * eye, v_transform=eye.clone())
+    sim = Sim(vllm_config(d, block_size=64, pq={"window": 0, "m": 32}), dtype=torch.float16)
+    sim.add(0)
+    with pytest.raises(ValueError, match="beyond torch.float16's range"):
+        sim.step([(0, 4)])
 
 
 @pytest.mark.parametrize("block,window,sliding", [(32, 0, 48), (32, 32, 48), (64, 32, 80),

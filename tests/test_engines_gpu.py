@@ -118,3 +118,27 @@ def test_window_rows_after_vllms_kernel_warm_up(tmp_path, monkeypatch):
               for n in range(3, 60, 4)]
     out = llm.generate(others[:5] + PROMPTS + others[5:], sp, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in out[5:8]] == alone
+
+
+def test_cuda_graph_engine_pads_steps_and_matches_eager(tmp_path, monkeypatch):
+    """vLLM's default compilation (CUDA graphs on) pads a step's token count to a captured
+    size, and the slot mapping with it (-1 past the step's tokens): three requests decode as
+    a batch of 4. Every other engine test here runs eager, where nothing is padded; this one
+    failed on the first padded step when forward handed the store the padded mapping.
+    Greedy outputs are those of an eager engine."""
+    from vllm.config import CUDAGraphMode
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    model = tiny_model(tmp_path / "model", head_dim=64)
+    books = random_codebooks(str(tmp_path / "a.safetensors"), model, 32, seed=1)
+    eager = engine(model, books, 32)
+    want = greedy(eager)
+    del eager
+    from vllm import LLM
+
+    llm = LLM(model=model, attention_backend="CUSTOM", max_model_len=512,
+              gpu_memory_utilization=0.15, max_num_seqs=8, seed=0,
+              additional_config={"pq": {"codebooks": books, "window": 32}})
+    mode = llm.llm_engine.vllm_config.compilation_config.cudagraph_mode
+    assert mode != CUDAGraphMode.NONE
+    assert greedy(llm) == want

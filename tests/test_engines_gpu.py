@@ -12,10 +12,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 PROMPTS = ["the quick brown fox", "vllm serves tokens while a lazy dog", "over the lazy"]
 
 
-def engine(model, books, window):
+def engine(model, books, window, eager=True):
     from vllm import LLM
 
-    return LLM(model=model, attention_backend="CUSTOM", enforce_eager=True, max_model_len=512,
+    return LLM(model=model, attention_backend="CUSTOM", enforce_eager=eager, max_model_len=512,
                gpu_memory_utilization=0.15, max_num_seqs=8, seed=0,
                additional_config={"pq": {"codebooks": books, "window": window}})
 
@@ -134,11 +134,7 @@ def test_cuda_graph_engine_pads_steps_and_matches_eager(tmp_path, monkeypatch):
     eager = engine(model, books, 32)
     want = greedy(eager)
     del eager
-    from vllm import LLM
-
-    llm = LLM(model=model, attention_backend="CUSTOM", max_model_len=512,
-              gpu_memory_utilization=0.15, max_num_seqs=8, seed=0,
-              additional_config={"pq": {"codebooks": books, "window": 32}})
+    llm = engine(model, books, 32, eager=False)
     mode = llm.llm_engine.vllm_config.compilation_config.cudagraph_mode
     assert mode != CUDAGraphMode.NONE
     assert greedy(llm) == want

@@ -3,8 +3,9 @@
 //
 // On tensor cores. T (fp32) is split into two parts of the activation's 16-bit type,
 // T = Thi + Tlo + e with |e| <= 2^-17 |T| (bf16; 2^-23 for fp16), and mma.m16n8k16 sums
-// x Thi + x Tlo in fp32: x is exact in its own type, so the map keeps fp32's accuracy,
-// which a 16-bit T would not (impl.py), for two MMAs per product. A row's result does not
+// x Thi and x Tlo in fp32, each in accumulators of its own, added at the end: x is exact in
+// its own type, so the map keeps fp32's accuracy, which a 16-bit T would not (impl.py),
+// for two MMAs per product. A row's result does not
 // depend on the rest of the batch: each output element is the same sequence of MMAs over
 // k, in the same order, whichever tile and CTA the row lands in, and the rows of an MMA
 // tile do not mix. (torch.matmul hands these small GEMMs to cuBLAS, which picks its
@@ -69,8 +70,10 @@ __global__ void __launch_bounds__(32 * kMapWarps) map_kernel(MapArgs a) {
     return (v / job.group) * stride + (int64_t)(map * job.group + v % job.group) * D;
   };
 
-  // B fragments of the warp's n-tiles s0 .. s0 + NP - 1: [n-tile][k-step][b0, b1]
+  // B fragments of the warp's n-tiles s0 .. s0 + NP - 1: [n-tile][k-step][b0, b1], loaded
+  // as fp32 (load_b), then split into their two 16-bit parts (split_b).
   const float* t = job.t + (int64_t)map * D * D;
+  float tf[C::NP][C::KS][2][2];
   uint32_t bh[C::NP][C::KS][2], bl[C::NP][C::KS][2];
   auto load_b = [&](int s0) {
 #pragma unroll
@@ -80,31 +83,50 @@ __global__ void __launch_bounds__(32 * kMapWarps) map_kernel(MapArgs a) {
       for (int j = 0; j < C::KS; ++j) {
         const int d0 = 32 * (j / 2) + 8 * c + 4 * (j % 2);
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
-          split_pair<T>(tc[(d0 + 2 * h) * D], tc[(d0 + 2 * h + 1) * D], bh[s][j][h], bl[s][j][h]);
+        for (int h = 0; h < 2; ++h) tf[s][j][h][0] = tc[(d0 + 2 * h) * D], tf[s][j][h][1] = tc[(d0 + 2 * h + 1) * D];
       }
     }
   };
-  load_b(0);
+  auto split_b = [&]() {
+#pragma unroll
+    for (int s = 0; s < C::NP; ++s)
+#pragma unroll
+      for (int j = 0; j < C::KS; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) split_pair<T>(tf[s][j][h][0], tf[s][j][h][1], bh[s][j][h], bl[s][j][h]);
+  };
 
+  // T's entries and the CTA's row-vectors load together: the rows as asynchronous copies,
+  // each thread's all in flight at once, rows past nv as zeros. (Staged by a loop of
+  // loads and shared stores they paid the global latency once per round, 8 rounds at
+  // head_dim 128, and the kernel took 25.7 us for a 1K-token prompt: eval/results/map_kernel/.)
+  load_b(0);
   const T* x = static_cast<const T*>(job.x);
   constexpr int CPR = D / 8;  // 16-byte pieces of a row-vector
-  for (int i = threadIdx.x; i < C::R * CPR; i += 32 * kMapWarps) {
-    const int vi = i / CPR, q = i % CPR;
-    uint4 w = make_uint4(0u, 0u, 0u, 0u);
-    if (vi < nv) w = *reinterpret_cast<const uint4*>(x + offset(v0 + vi, job.x_stride) + 8 * q);
-    *reinterpret_cast<uint4*>(xs + vi * C::SP + 16 * q) = w;
+  static_assert(C::R * CPR % (32 * kMapWarps) == 0, "whole rounds of pieces");
+#pragma unroll
+  for (int k = 0; k < C::R * CPR / (32 * kMapWarps); ++k) {
+    const int i = threadIdx.x + k * 32 * kMapWarps, vi = i / CPR, q = i % CPR;
+    cp_async16_zfill(xs + vi * C::SP + 16 * q, x + offset(vi < nv ? v0 + vi : v0, job.x_stride) + 8 * q, vi < nv);
   }
+  split_b();
+  // (behind a condition that always holds: unconditional, ptxas hoisted the wait above most
+  // of T's loads, which then issued only once the rows had arrived)
+  if (job.heads > 0) cp_async_wait_all();
   __syncthreads();  // (y may alias x: every read of this CTA's rows is done before a write)
 
   const uint32_t xs_at = static_cast<uint32_t>(__cvta_generic_to_shared(xs)) + r * C::SP + 16 * c;
   T* y = static_cast<T*>(job.y);
   for (int s0 = 0; s0 < C::NTW; s0 += C::NP) {
-    if (s0 > 0) load_b(s0);
+    if (s0 > 0) load_b(s0), split_b();
     for (int mt = 0; 16 * mt < nv; ++mt) {
-      float acc[C::NP][4];
+      // x Thi and x Tlo in accumulators of their own, added at the end: chains of KS
+      // dependent MMAs instead of 2 KS, for the tensor pipe's latency
+      float acc[C::NP][2][4];
 #pragma unroll
-      for (int s = 0; s < C::NP; ++s) acc[s][0] = acc[s][1] = acc[s][2] = acc[s][3] = 0.f;
+      for (int s = 0; s < C::NP; ++s)
+#pragma unroll
+        for (int p = 0; p < 2; ++p) acc[s][p][0] = acc[s][p][1] = acc[s][p][2] = acc[s][p][3] = 0.f;
 #pragma unroll
       for (int i = 0; i < D / 32; ++i) {
         uint32_t u0[4], u1[4];  // rows r and r + 8, dims 32i + 8c .. + 7
@@ -115,8 +137,8 @@ __global__ void __launch_bounds__(32 * kMapWarps) map_kernel(MapArgs a) {
           const uint32_t af[4] = {u0[2 * h], u1[2 * h], u0[2 * h + 1], u1[2 * h + 1]};
 #pragma unroll
           for (int s = 0; s < C::NP; ++s) {
-            mma<T>(acc[s], af, bh[s][2 * i + h][0], bh[s][2 * i + h][1]);
-            mma<T>(acc[s], af, bl[s][2 * i + h][0], bl[s][2 * i + h][1]);
+            mma<T>(acc[s][0], af, bh[s][2 * i + h][0], bh[s][2 * i + h][1]);
+            mma<T>(acc[s][1], af, bl[s][2 * i + h][0], bl[s][2 * i + h][1]);
           }
         }
       }
@@ -126,7 +148,8 @@ __global__ void __launch_bounds__(32 * kMapWarps) map_kernel(MapArgs a) {
         if (vi >= nv) continue;
         uint32_t w[C::NP];
 #pragma unroll
-        for (int s = 0; s < C::NP; ++s) w[s] = Elem<T>::pack(acc[s][2 * e], acc[s][2 * e + 1]);
+        for (int s = 0; s < C::NP; ++s)
+          w[s] = Elem<T>::pack(acc[s][0][2 * e] + acc[s][1][2 * e], acc[s][0][2 * e + 1] + acc[s][1][2 * e + 1]);
         store_words<C::NP>(y + offset(v0 + vi, job.y_stride) + col_of<D>(warp, s0, 2 * c), w);
       }
     }

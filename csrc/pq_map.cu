@@ -14,13 +14,14 @@
 // A CTA takes R row-vectors (row, head) of one map's heads: it stages them in shared
 // memory, then each of its 8 warps computes D/8 output columns (NTW n-tiles of 8) of all
 // of them, its slice of Thi / Tlo held in registers as MMA B fragments (head_dim 256: one
-// n-tile at a time, for registers). Sums run over a permuted k (dims), the same for A and
-// B: in k-step j lane column c holds dims 32*(j/2) + 8c + 4*(j%2) + {0..3}, so that one
-// 16-byte shared load gives a lane two k-steps of a row. Output columns are permuted
-// across a warp's n-tiles (col_of) so that a lane's accumulators are 2*NTW consecutive
-// columns of its rows: one store each. At Llama-3-8B's shape (H200) a launch takes 4.9 us
-// for a decode step of 8 requests (launch latency: the CUDA-core kernel before took 4.8)
-// and 25.7 us with a 1K-token prompt (before: 53.8): eval/results/layer_maps/.
+// n-tile at a time, for registers); A fragments come from shared memory by ldmatrix, one
+// instruction per k-step of 16 row-vectors. Output columns are permuted across a warp's
+// n-tiles (col_of) so that a lane's accumulators are 2*NTW consecutive columns of its rows:
+// one store each. The row-vectors' global offsets (a division by the group size each) are
+// computed once per CTA into shared memory, for the copies in and the stores out.
+// At Llama-3-8B's shape (H200, eval/results/map_kernel/) the two launches of a layer take
+// 9.4 us for a decode step of 8 requests and 39.4 us for a 1K-token prompt with the rows
+// staged by asynchronous copies (44.4 us staged by a loop of loads and stores).
 #include "pq_common.cuh"
 
 namespace pq {
@@ -35,9 +36,9 @@ struct MapCfg {
   static constexpr int NP = D == 256 ? 1 : NTW;  // n-tiles whose B fragments are held at once
   static constexpr int MT = D == 256 ? 4 : 8;    // m-tiles (16 row-vectors) per CTA
   static constexpr int R = 16 * MT;              // row-vectors per CTA
-  // bytes between staged row-vectors: 4 mod 8 16-byte units, so that the 8 lanes of a
-  // 16-byte load's phase (rows r, r + 1, columns c = 0..3) hit distinct banks
-  static constexpr int SP = 2 * D + 64;
+  // bytes between staged row-vectors: 16 mod 128, so that the 8 rows of an ldmatrix phase
+  // (16 bytes each) fall in distinct bank groups
+  static constexpr int SP = 2 * D + 16;
   static_assert(NTW >= 1 && 4 * NP == map_out_align(D), "a lane stores NP words of a row");
 };
 
@@ -56,22 +57,28 @@ __device__ __forceinline__ void split_pair(float f0, float f1, uint32_t& hi, uin
   lo = Elem<T>::pack(f0 - Elem<T>::to_float(h[0]), f1 - Elem<T>::to_float(h[1]));
 }
 
+// The A fragment of rows 0..15 and k 0..15 of the 16-row tile at shared address `at` (row
+// stride SP bytes; each lane passes its row's address: lane % 16, k 8 * (lane / 16)).
+__device__ __forceinline__ void ldmatrix_x4(uint32_t at, uint32_t (&a)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+               : "r"(at));
+}
+
 template <typename T, int D>
 __global__ void __launch_bounds__(32 * kMapWarps) map_kernel(MapArgs a) {
   using C = MapCfg<D>;
   __shared__ __align__(16) uint8_t xs[C::R * C::SP];
+  __shared__ int64_t x_at[C::R], y_at[C::R];  // elements from x / y of each row-vector
   const MapJob& job = a.jobs[blockIdx.z];
   const int map = blockIdx.y, nvec = a.rows * job.group, v0 = blockIdx.x * C::R;
   if (map >= job.heads / job.group || v0 >= nvec) return;
   const int nv = min(C::R, nvec - v0);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, r = lane / 4, c = lane % 4;
-  // row-vector v: row v / group, head map * group + v % group (heads of a row are adjacent)
-  auto offset = [&](int v, int64_t stride) {
-    return (v / job.group) * stride + (int64_t)(map * job.group + v % job.group) * D;
-  };
 
-  // B fragments of the warp's n-tiles s0 .. s0 + NP - 1: [n-tile][k-step][b0, b1], loaded
-  // as fp32 (load_b), then split into their two 16-bit parts (split_b).
+  // B fragments of the warp's n-tiles s0 .. s0 + NP - 1, [n-tile][k-step][b0, b1]: lane
+  // (r, c) holds T[16j + 2c + 8h + {0, 1}][col_of(r)]. Loaded as fp32 (load_b), then split
+  // into their two 16-bit parts (split_b).
   const float* t = job.t + (int64_t)map * D * D;
   float tf[C::NP][C::KS][2][2];
   uint32_t bh[C::NP][C::KS][2], bl[C::NP][C::KS][2];
@@ -80,11 +87,11 @@ __global__ void __launch_bounds__(32 * kMapWarps) map_kernel(MapArgs a) {
     for (int s = 0; s < C::NP; ++s) {
       const float* tc = t + col_of<D>(warp, s0 + s, r);
 #pragma unroll
-      for (int j = 0; j < C::KS; ++j) {
-        const int d0 = 32 * (j / 2) + 8 * c + 4 * (j % 2);
+      for (int j = 0; j < C::KS; ++j)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) tf[s][j][h][0] = tc[(d0 + 2 * h) * D], tf[s][j][h][1] = tc[(d0 + 2 * h + 1) * D];
-      }
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) tf[s][j][h][e] = tc[(16 * j + 2 * c + 8 * h + e) * D];
     }
   };
   auto split_b = [&]() {
@@ -95,19 +102,26 @@ __global__ void __launch_bounds__(32 * kMapWarps) map_kernel(MapArgs a) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) split_pair<T>(tf[s][j][h][0], tf[s][j][h][1], bh[s][j][h], bl[s][j][h]);
   };
-
-  // T's entries and the CTA's row-vectors load together: the rows as asynchronous copies,
-  // each thread's all in flight at once, rows past nv as zeros. (Staged by a loop of
-  // loads and shared stores they paid the global latency once per round, 8 rounds at
-  // head_dim 128, and the kernel took 25.7 us for a 1K-token prompt: eval/results/map_kernel/.)
   load_b(0);
+
+  // row-vector v: row v / group, head map * group + v % group (heads of a row are adjacent);
+  // past nv: the CTA's first (a valid address for the copies, which read none of it)
+  if (threadIdx.x < C::R) {
+    const int v = v0 + (threadIdx.x < nv ? threadIdx.x : 0), head = map * job.group + v % job.group;
+    x_at[threadIdx.x] = (int64_t)(v / job.group) * job.x_stride + (int64_t)head * D;
+    y_at[threadIdx.x] = (int64_t)(v / job.group) * job.y_stride + (int64_t)head * D;
+  }
+  __syncthreads();
+  // The rows into shared memory as asynchronous copies, all of a thread's in flight at once
+  // and with T's loads (staged by a loop of loads and shared stores they paid the global
+  // latency once per round: 8 rounds at head_dim 128); rows past nv as zeros.
   const T* x = static_cast<const T*>(job.x);
   constexpr int CPR = D / 8;  // 16-byte pieces of a row-vector
   static_assert(C::R * CPR % (32 * kMapWarps) == 0, "whole rounds of pieces");
 #pragma unroll
   for (int k = 0; k < C::R * CPR / (32 * kMapWarps); ++k) {
     const int i = threadIdx.x + k * 32 * kMapWarps, vi = i / CPR, q = i % CPR;
-    cp_async16_zfill(xs + vi * C::SP + 16 * q, x + offset(vi < nv ? v0 + vi : v0, job.x_stride) + 8 * q, vi < nv);
+    cp_async16_zfill(xs + vi * C::SP + 16 * q, x + x_at[vi] + 8 * q, vi < nv);
   }
   split_b();
   // (behind a condition that always holds: unconditional, ptxas hoisted the wait above most
@@ -115,7 +129,8 @@ __global__ void __launch_bounds__(32 * kMapWarps) map_kernel(MapArgs a) {
   if (job.heads > 0) cp_async_wait_all();
   __syncthreads();  // (y may alias x: every read of this CTA's rows is done before a write)
 
-  const uint32_t xs_at = static_cast<uint32_t>(__cvta_generic_to_shared(xs)) + r * C::SP + 16 * c;
+  // this lane's ldmatrix row: lane % 16 of the m-tile, k half lane / 16
+  const uint32_t xs_at = static_cast<uint32_t>(__cvta_generic_to_shared(xs)) + (lane % 16) * C::SP + 16 * (lane / 16);
   T* y = static_cast<T*>(job.y);
   for (int s0 = 0; s0 < C::NTW; s0 += C::NP) {
     if (s0 > 0) load_b(s0), split_b();
@@ -128,18 +143,13 @@ __global__ void __launch_bounds__(32 * kMapWarps) map_kernel(MapArgs a) {
 #pragma unroll
         for (int p = 0; p < 2; ++p) acc[s][p][0] = acc[s][p][1] = acc[s][p][2] = acc[s][p][3] = 0.f;
 #pragma unroll
-      for (int i = 0; i < D / 32; ++i) {
-        uint32_t u0[4], u1[4];  // rows r and r + 8, dims 32i + 8c .. + 7
-        lds_words<4>(xs_at + 16 * mt * C::SP + 64 * i, u0);
-        lds_words<4>(xs_at + (16 * mt + 8) * C::SP + 64 * i, u1);
+      for (int j = 0; j < C::KS; ++j) {
+        uint32_t af[4];
+        ldmatrix_x4(xs_at + 16 * mt * C::SP + 32 * j, af);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {  // k-step 2i + h
-          const uint32_t af[4] = {u0[2 * h], u1[2 * h], u0[2 * h + 1], u1[2 * h + 1]};
-#pragma unroll
-          for (int s = 0; s < C::NP; ++s) {
-            mma<T>(acc[s][0], af, bh[s][2 * i + h][0], bh[s][2 * i + h][1]);
-            mma<T>(acc[s][1], af, bl[s][2 * i + h][0], bl[s][2 * i + h][1]);
-          }
+        for (int s = 0; s < C::NP; ++s) {
+          mma<T>(acc[s][0], af, bh[s][j][0], bh[s][j][1]);
+          mma<T>(acc[s][1], af, bl[s][j][0], bl[s][j][1]);
         }
       }
 #pragma unroll
@@ -150,7 +160,7 @@ __global__ void __launch_bounds__(32 * kMapWarps) map_kernel(MapArgs a) {
 #pragma unroll
         for (int s = 0; s < C::NP; ++s)
           w[s] = Elem<T>::pack(acc[s][0][2 * e] + acc[s][1][2 * e], acc[s][0][2 * e + 1] + acc[s][1][2 * e + 1]);
-        store_words<C::NP>(y + offset(v0 + vi, job.y_stride) + col_of<D>(warp, s0, 2 * c), w);
+        store_words<C::NP>(y + y_at[vi] + col_of<D>(warp, s0, 2 * c), w);
       }
     }
   }

@@ -37,14 +37,13 @@ constexpr int kStoreThreads = 256;
 // ones need the registers), small ones 1, so that a decode step's few tokens spread over
 // as many threads as they can. Widths >= 8 give a subspace two warps (their groups hold
 // half as many subspaces in the same shared memory).
-template <int DS, int P, bool Grid = false>
+template <int DS, int P>
 struct StoreCfg {
   static constexpr int kLanes = DS >= 8 ? 64 : 32;       // threads per subspace: whole warps
-  static constexpr int kTokens = kLanes * P * (Grid ? 4 : 1);  // tokens per CTA
+  static constexpr int kTokens = kLanes * P;             // tokens per tile
   static constexpr int kGroup = kStoreThreads / kLanes;  // subspaces per CTA: one item a thread
   static constexpr int kSmem = kGroup * kCentroids * (DS + 1) * (int)sizeof(float);
   static_assert(DS <= 4 || P == 1, "registers");
-  static_assert(!Grid || DS == 2, "grid records are 2-D");
 };
 
 // |c|^2 / 2 of a centroid of DS floats, the one rounding sequence every store path uses
@@ -57,17 +56,42 @@ __device__ __forceinline__ float half_sq_norm(const float* c) {
   return 0.5f * sq;
 }
 
-// A CTA's group of mg subspaces into shared memory: centroids [kGroup][256][DS], then
-// their |c|^2 / 2 [kGroup][256] (returned). Both store kernels score with these, so the
-// grid search's scores are the full search's bit for bit.
-template <int DS, int kGroup>
-__device__ __forceinline__ float* stage_centroids(const float* cb, int mg, float* smem) {
-  const float4* g4 = reinterpret_cast<const float4*>(cb);
-  float4* s4 = reinterpret_cast<float4*>(smem);
-  for (int i = threadIdx.x; i < mg * kCentroids * DS / 4; i += kStoreThreads) s4[i] = g4[i];
+// A CTA's group of mg subspaces into shared memory: centroids [kGroup][256][DS] by
+// asynchronous copies, all in flight at once (a loop of plain copies waited for each
+// load in turn: its L2 round trips, and those of the |c|^2 / 2 pass that read the
+// centroids again from global memory, were most of a 128-token CTA's time), then, once
+// they have landed, their |c|^2 / 2 [kGroup][256] (returned) from the staged copies. Both
+// store kernels score with these, so the grid search's scores are the full search's bit
+// for bit. `more`: issues the caller's own loads while the copies are in flight.
+template <int DS, int kGroup, typename More>
+__device__ __forceinline__ float* stage_centroids(const float* cb, int mg, float* smem, More&& more) {
+  for (int i = threadIdx.x; i < mg * kCentroids * DS / 4; i += kStoreThreads) cp_async16(smem + 4 * i, cb + 4 * i);
+  more();
+  cp_async_wait_all();
+  __syncthreads();
   float* half_norm = smem + kGroup * kCentroids * DS;
-  for (int j = threadIdx.x; j < mg * kCentroids; j += kStoreThreads) half_norm[j] = half_sq_norm<DS>(cb + (size_t)j * DS);
+  for (int j = threadIdx.x; j < mg * kCentroids; j += kStoreThreads) half_norm[j] = half_sq_norm<DS>(smem + j * DS);
+  __syncthreads();
   return half_norm;
+}
+
+// CTAs per (KV head, part, group) along the tokens: as many as fill the GPU once with
+// `combos` such triples (each CTA stages its group once and then walks tiles
+// blockIdx.x, + gridDim.x, ...), at most one per tile. Before, a CTA per 128-token tile
+// staged its group's 25-45 KB for 1024 searches: 16K tokens read 745 MB from L2.
+template <typename Kernel>
+int tile_ctas(Kernel kernel, int smem, int tiles, int combos) {
+  int dev = 0, sms = 1, per_sm = 1;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+    (void)cudaGetLastError();  // a query that failed leaves the grid at a CTA per tile
+    return tiles;
+  }
+  if ((int64_t)tiles * combos <= sms) return tiles;  // (a decode step's store: no occupancy query)
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kStoreThreads, smem) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return tiles;
+  }
+  return max(1, min(tiles, sms * max(per_sm, 1) / max(combos, 1)));
 }
 
 // Whether none of a head vector's n elements is a NaN or an infinity (exponent bits all
@@ -119,11 +143,22 @@ __device__ __forceinline__ void write_code(const StoreArgs& a, bool is_v, int he
   *code_byte(a.pages, is_v, head, m, slot) = static_cast<uint8_t>(nan ? a.pages.lay.nan_code : code);
 }
 
-// 2-D centroids staged in shared memory with their |c|^2 / 2 ...
-struct StagedCentroids {
-  const float* c;
-  const float* hn;
-  __device__ __forceinline__ float3 operator[](int k) const { return make_float3(c[2 * k], c[2 * k + 1], hn[k]); }
+// Grid-search stores stage 16 subspaces per CTA, interleaved: word w of subspace s's record
+// at shared word w * kGridSubs + s and its centroid k at float2 k * kGridSubs + s, so that
+// the 16 lanes searching one token's 16 subspaces read 16 distinct banks (two for a
+// centroid), whatever the cells, list entries and codes.
+constexpr int kGridSubs = 16;
+constexpr int kGridTile = 64;  // tokens of a grid-search tile: 4 pairs a warp
+
+// 2-D centroids staged interleaved in shared memory, |c|^2 / 2 computed as staging computes
+// it for the full search (the same bits) ...
+struct SharedCentroids {
+  const float2* c;  // centroid 0 of this subspace
+  __device__ __forceinline__ float3 operator[](int k) const {
+    const float2 v = c[k * kGridSubs];
+    const float f[2] = {v.x, v.y};
+    return make_float3(v.x, v.y, half_sq_norm<2>(f));
+  }
 };
 
 // ... or read through L1, |c|^2 / 2 computed as staging computes it (the same bits).
@@ -154,33 +189,50 @@ struct GridHeader {
   }
 };
 
-__device__ __forceinline__ GridHeader grid_header(const uint8_t* rec) {
-  return {*reinterpret_cast<const float4*>(rec), *reinterpret_cast<const uint4*>(rec + 16)};
-}
+// A record in global memory, read through L1 ...
+struct GlobalRecord {
+  const uint8_t* p;
+  __device__ __forceinline__ GridHeader header() const {
+    return {*reinterpret_cast<const float4*>(p), *reinterpret_cast<const uint4*>(p + 16)};
+  }
+  __device__ __forceinline__ int byte(int i) const { return p[i]; }
+  __device__ __forceinline__ int u16(int i) const { return *reinterpret_cast<const uint16_t*>(p + i); }
+};
+
+// ... or staged interleaved in shared memory (kGridSubs).
+struct SharedRecord {
+  const uint32_t* w;  // word 0 of this subspace's record
+  __device__ __forceinline__ uint32_t word(int i) const { return w[(i >> 2) * kGridSubs]; }
+  __device__ __forceinline__ GridHeader header() const {
+    return {make_float4(__uint_as_float(word(0)), __uint_as_float(word(4)), __uint_as_float(word(8)),
+                        __uint_as_float(word(12))),
+            make_uint4(word(16), word(20), word(24), word(28))};
+  }
+  __device__ __forceinline__ int byte(int i) const { return (word(i) >> (8 * (i & 3))) & 0xff; }
+  __device__ __forceinline__ int u16(int i) const { return (word(i) >> (8 * (i & 3))) & 0xffff; }  // i even
+};
 
 // The code of (x0, x1): the listed centroids of its cell, or all 256 outside the record's
 // box. The list is walked 4 entries at a time, their centroids loaded before any is
 // scored, so that a decode-sized store waits for one round of loads per 4 entries rather
 // than per entry; past the list's end the last entry repeats, which never wins a strict
 // compare, so the first minimum in index order still wins.
-template <typename Centroids>
-__device__ __forceinline__ int grid_code(float x0, float x1, const Centroids& cs, const uint8_t* rec,
+template <typename Centroids, typename Record>
+__device__ __forceinline__ int grid_code(float x0, float x1, const Centroids& cs, const Record& rec,
                                          const GridHeader& h) {
   const float fx = (x0 - h.f.x) * h.f.z, fy = (x1 - h.f.y) * h.f.w;
   const int fine = h.sec(3);
   float best = CUDART_INF_F;
   int code = 0;
   if (fx >= 0.f && fx < (float)fine && fy >= 0.f && fy < (float)fine) {  // false for NaN
-    const uint8_t* bins = rec + h.sec(0);
-    const int cell = bins[(int)fx] * h.sec(4) + bins[fine + (int)fy];
-    const uint16_t* offs = reinterpret_cast<const uint16_t*>(rec + h.sec(1));
-    const uint8_t* list = rec + h.sec(2);
-    const int lo = offs[cell], hi = offs[cell + 1];
+    const int bins = h.sec(0), offs = h.sec(1), list = h.sec(2);
+    const int cell = rec.byte(bins + (int)fx) * h.sec(4) + rec.byte(bins + fine + (int)fy);
+    const int lo = rec.u16(offs + 2 * cell), hi = rec.u16(offs + 2 * cell + 2);
     for (int j = lo; j < hi; j += 4) {
       int k[4];
       float3 c[4];
 #pragma unroll
-      for (int u = 0; u < 4; ++u) k[u] = list[min(j + u, hi - 1)];
+      for (int u = 0; u < 4; ++u) k[u] = rec.byte(list + min(j + u, hi - 1));
 #pragma unroll
       for (int u = 0; u < 4; ++u) c[u] = cs[k[u]];
 #pragma unroll
@@ -192,46 +244,97 @@ __device__ __forceinline__ int grid_code(float x0, float x1, const Centroids& cs
   return code;
 }
 
-// Large stores of 2-D subspaces with grid records: a warp per subspace, 128 tokens a CTA.
+// Whether any element of a head vector (head_dim elements) is a NaN or an infinity, by the
+// 16 lanes of one half-warp (lane i of 16 checks pieces i, i + 16, ...; every lane of the
+// warp must call it: the result comes by ballot). half: which half-warp's vector to answer for.
+template <typename T>
+__device__ __forceinline__ bool half_warp_nonfinite(const T* row, int head_dim, int i, int half) {
+  constexpr uint32_t e = std::is_same_v<T, __half> ? 0x7c00u : 0x7f80u;
+  bool bad = false;
+  if ((reinterpret_cast<uintptr_t>(row) & 15) == 0 && (head_dim * (int)sizeof(T)) % 16 == 0) {
+    for (int p = i; p < head_dim * (int)sizeof(T) / 16; p += 16) {
+      const uint4 w = reinterpret_cast<const uint4*>(row)[p];
+      const uint32_t u[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) bad |= (u[j] & e) == e | (u[j] & e << 16) == e << 16;
+    }
+  } else {
+    for (int p = i; p < head_dim; p += 16) bad |= !isfinite(Elem<T>::to_float(row[p]));
+  }
+  return (__ballot_sync(0xffffffffu, bad) >> (16 * half)) & 0xffffu;
+}
+
+// Large stores of 2-D subspaces with grid records. A CTA stages kGridSubs subspaces of one
+// (KV head, K|V) interleaved (SharedCentroids, SharedRecord) and walks tiles of kGridTile
+// tokens (tile_ctas); lane l of a warp searches subspace l % 16 of token l / 16 of a pair,
+// each warp 4 pairs of a tile, whose loads are all issued before the first search. (Lanes over the
+// tokens of one subspace, before, read random entries of one table: about 3.5 shared
+// wavefronts a load.) The CTA of subspaces 0..15 also checks every element of its tokens'
+// vectors for the non-finite mark, 16 bytes a lane.
 template <typename T>
 __global__ void __launch_bounds__(kStoreThreads) store_grid_kernel(StoreArgs a, int first_part, int groups) {
-  using C = StoreCfg<2, 1, true>;
-  constexpr int kTiles = C::kTokens / C::kLanes;
-  // [group][256][2] centroids, [group][256] |c|^2 / 2, [group][record] grid records
-  extern __shared__ float cb_smem[];
+  constexpr int kTile = kGridTile, kPairs = kTile / 2 / (kStoreThreads / 32);  // a warp's token pairs per tile
+  // [256][kGridSubs] float2 centroids, then [record words][kGridSubs] records
+  extern __shared__ __align__(16) float cb_smem[];
   const int head = blockIdx.y;
   const bool is_v = first_part + (int)blockIdx.z / groups == 1;
   const int m_total = is_v ? a.m_v : a.m_k;
   const int rec_bytes = is_v ? a.v_grid_bytes : a.k_grid_bytes;
-  const int m0 = (blockIdx.z % groups) * C::kGroup;
-  const int mg = min(C::kGroup, m_total - m0);
-  uint8_t* recs = reinterpret_cast<uint8_t*>(cb_smem + C::kGroup * kCentroids * 3);
-  const float* cb = (is_v ? a.v_cb : a.k_cb) + ((size_t)head * m_total + m0) * kCentroids * 2;
-  const uint8_t* grid = (is_v ? a.v_grid : a.k_grid) + ((size_t)head * m_total + m0) * rec_bytes;
-  const int tok0 = blockIdx.x * C::kTokens;
-  const int ntok = min(C::kTokens, a.num_tokens - tok0);
+  const int m0 = (blockIdx.z % groups) * kGridSubs;
+  const int mg = min(kGridSubs, m_total - m0);
+  float2* cen = reinterpret_cast<float2*>(cb_smem);
+  uint32_t* recw = reinterpret_cast<uint32_t*>(cen + kCentroids * kGridSubs);
+  const float2* cb = reinterpret_cast<const float2*>(is_v ? a.v_cb : a.k_cb) + ((size_t)head * m_total + m0) * kCentroids;
+  const uint4* grid = reinterpret_cast<const uint4*>((is_v ? a.v_grid : a.k_grid) + ((size_t)head * m_total + m0) * rec_bytes);
+  const int tiles = ceil_div(a.num_tokens, kTile);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int sub = lane % kGridSubs, half = lane / kGridSubs;
+  const int m = m0 + min(sub, mg - 1);  // (lanes past the group search a real subspace, write nothing)
 
-  const float* half_norm = stage_centroids<2, C::kGroup>(cb, mg, cb_smem);
-  const uint4* gr = reinterpret_cast<const uint4*>(grid);
-  uint4* sr = reinterpret_cast<uint4*>(recs);
-  for (int i = threadIdx.x; i < mg * rec_bytes / 16; i += kStoreThreads) sr[i] = gr[i];
+  int64_t slot[kPairs];
+  float x0[kPairs], x1[kPairs];
+  bool nan[kPairs];
+  auto load = [&](int tile) {
+#pragma unroll
+    for (int i = 0; i < kPairs; ++i) {
+      const int t = tile * kTile + 2 * (warp + i * (kStoreThreads / 32)) + half, tt = min(t, a.num_tokens - 1);
+      slot[i] = t < a.num_tokens ? a.slot_mapping[tt] : -1;
+      const T* row = head_row<T>(a.kv, is_v, tt, head, a.head_dim);
+      x0[i] = Elem<T>::to_float(row[2 * m]);
+      x1[i] = Elem<T>::to_float(row[2 * m + 1]);
+      nan[i] = m0 == 0 && half_warp_nonfinite(row, a.head_dim, sub, half) && sub == 0;
+    }
+  };
+  if ((int)blockIdx.x < tiles) load(blockIdx.x);  // in flight while the group is staged
+  // (consecutive lanes take consecutive subspaces, so that the interleaved stores hit
+  // distinct banks: subspace-major lanes put a warp's stores in one bank)
+#pragma unroll 4
+  for (int i = threadIdx.x; i < kGridSubs * kCentroids; i += kStoreThreads) {
+    const int s = (i >> 1) % kGridSubs, k = (i >> 5) * 2 + (i & 1);  // pairs of centroids
+    if (s < mg) cen[k * kGridSubs + s] = cb[s * kCentroids + k];
+  }
+  const int pieces = rec_bytes / 16;
+#pragma unroll 4
+  for (int i = threadIdx.x; i < kGridSubs * pieces; i += kStoreThreads) {
+    const int s = i % kGridSubs, piece = i / kGridSubs;
+    if (s >= mg) continue;
+    const uint4 v = grid[s * pieces + piece];
+    uint32_t* d = recw + piece * 4 * kGridSubs + s;
+    d[0] = v.x, d[kGridSubs] = v.y, d[2 * kGridSubs] = v.z, d[3 * kGridSubs] = v.w;
+  }
   __syncthreads();
-  const int lane = threadIdx.x % C::kLanes, ml = threadIdx.x / C::kLanes;
-  const int m = m0 + ml;
-  if (ml >= mg) return;
-  const float* c = cb_smem + ml * kCentroids * 2;
-  const float* hn = half_norm + ml * kCentroids;
-  const uint8_t* rec = recs + ml * rec_bytes;
+  const SharedCentroids cs{cen + sub};
+  const SharedRecord rec{recw + sub};
+  const GridHeader h = rec.header();
+  const bool writes = sub < mg;
 #pragma unroll 1
-  for (int i = 0; i < kTiles; ++i) {
-    const int t = lane + i * C::kLanes;
-    if (t >= ntok) break;
-    const int64_t slot = a.slot_mapping[tok0 + t];
-    if (slot < 0) continue;
-    const T* row = head_row<T>(a.kv, is_v, tok0 + t, head, a.head_dim);
-    const int code = grid_code(Elem<T>::to_float(row[2 * m]), Elem<T>::to_float(row[2 * m + 1]),
-                               StagedCentroids{c, hn}, rec, grid_header(rec));
-    write_code(a, is_v, head, m, slot, code, nan_marked(row, m, a.head_dim));
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    if (tile != (int)blockIdx.x) load(tile);
+#pragma unroll
+    for (int i = 0; i < kPairs; ++i) {
+      const int code = grid_code(x0[i], x1[i], cs, rec, h);
+      if (writes && slot[i] >= 0) write_code(a, is_v, head, m, slot[i], code, nan[i]);
+    }
   }
 }
 
@@ -253,71 +356,80 @@ __global__ void __launch_bounds__(kStoreThreads) store_grid_l1_kernel(StoreArgs 
   const size_t sub = (size_t)head * m_total + m;
   const float2* c = reinterpret_cast<const float2*>(is_v ? a.v_cb : a.k_cb) + sub * kCentroids;
   const uint8_t* rec = (is_v ? a.v_grid : a.k_grid) + sub * (is_v ? a.v_grid_bytes : a.k_grid_bytes);
-  const GridHeader h = grid_header(rec);
+  const GridHeader h = GlobalRecord{rec}.header();
   const T* row = head_row<T>(a.kv, is_v, tok, head, a.head_dim);
   const float x0 = Elem<T>::to_float(row[2 * m]), x1 = Elem<T>::to_float(row[2 * m + 1]);
   const bool nan = nan_marked(row, m, a.head_dim);
   if (slot < 0) return;
-  write_code(a, is_v, head, m, slot, grid_code(x0, x1, CachedCentroids{c}, rec, h), nan);
+  write_code(a, is_v, head, m, slot, grid_code(x0, x1, CachedCentroids{c}, GlobalRecord{rec}, h), nan);
 }
 
+// The full search: P tokens a thread (kLanes * P a tile), every centroid of the group
+// staged once per CTA, tiles walked as in store_grid_kernel.
 template <typename T, int DS, int P>
 __global__ void __launch_bounds__(kStoreThreads) store_kernel(StoreArgs a, int first_part, int groups) {
   using C = StoreCfg<DS, P>;
   // [group subspaces][256][DS] centroids, then [group subspaces][256] their |c|^2 / 2
-  extern __shared__ float cb_smem[];
+  extern __shared__ __align__(16) float cb_smem[];
   const int head = blockIdx.y;
   const bool is_v = first_part + (int)blockIdx.z / groups == 1;  // part 0: K, part 1: V
   const int m_total = is_v ? a.m_v : a.m_k;
   const int m0 = (blockIdx.z % groups) * C::kGroup;
   const int mg = min(C::kGroup, m_total - m0);
   const float* cb = (is_v ? a.v_cb : a.k_cb) + ((size_t)head * m_total + m0) * kCentroids * DS;
-  const int tok0 = blockIdx.x * C::kTokens;
-  const int ntok = min(C::kTokens, a.num_tokens - tok0);
-
-  const float* half_norm = stage_centroids<DS, C::kGroup>(cb, mg, cb_smem);
-  __syncthreads();
+  const int tiles = ceil_div(a.num_tokens, C::kTokens);
   const int lane = threadIdx.x % C::kLanes, ml = threadIdx.x / C::kLanes;
-  const int m = m0 + ml;
-  if (ml >= mg) return;
+  const int m = m0 + min(ml, mg - 1);
+
   int64_t slot[P];
   float xv[P][DS];
-  bool any = false;
-#pragma unroll
-  for (int p = 0; p < P; ++p) {
-    const int t = lane + p * C::kLanes;
-    slot[p] = t < ntok ? a.slot_mapping[tok0 + t] : -1;
-    any = any || slot[p] >= 0;
-    const T* x = head_row<T>(a.kv, is_v, tok0 + min(t, ntok - 1), head, a.head_dim) + m * DS;
-#pragma unroll
-    for (int i = 0; i < DS; ++i) xv[p][i] = Elem<T>::to_float(x[i]);
-  }
-  if (!any) return;
-  const float* c = cb_smem + ml * kCentroids * DS;
-  const float* hn = half_norm + ml * kCentroids;
-  float best[P];
-  int code[P];
-#pragma unroll
-  for (int p = 0; p < P; ++p) best[p] = CUDART_INF_F, code[p] = 0;
-#pragma unroll 16  // amortizes the loop's own instructions
-  for (int k = 0; k < kCentroids; ++k) {
-    float cv[DS];
-#pragma unroll
-    for (int i = 0; i < DS; ++i) cv[i] = c[k * DS + i];
-    const float h = hn[k];
+  auto load = [&](int tok0) {
 #pragma unroll
     for (int p = 0; p < P; ++p) {
-      float score = h;  // |c|^2 / 2 - x.c = (|x - c|^2 - |x|^2) / 2
+      const int t = tok0 + lane + p * C::kLanes, tt = min(t, a.num_tokens - 1);
+      slot[p] = t < a.num_tokens ? a.slot_mapping[tt] : -1;
+      const T* x = head_row<T>(a.kv, is_v, tt, head, a.head_dim) + m * DS;
 #pragma unroll
-      for (int i = 0; i < DS; ++i) score = __fmaf_rn(-xv[p][i], cv[i], score);
-      if (score < best[p]) best[p] = score, code[p] = k;  // first minimum; never a NaN
+      for (int i = 0; i < DS; ++i) xv[p][i] = Elem<T>::to_float(x[i]);
     }
-  }
+  };
+  const float* half_norm = stage_centroids<DS, C::kGroup>(cb, mg, cb_smem, [&] {
+    if ((int)blockIdx.x < tiles) load(blockIdx.x * C::kTokens);
+  });
+  if (ml >= mg) return;
+  const float* c = cb_smem + ml * kCentroids * DS;
+  const float* hn = half_norm + ml * kCentroids;
+#pragma unroll 1
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    if (tile != (int)blockIdx.x) load(tile * C::kTokens);
+    bool any = false;
 #pragma unroll
-  for (int p = 0; p < P; ++p) {
-    if (slot[p] < 0) continue;
-    const T* row = head_row<T>(a.kv, is_v, tok0 + lane + p * C::kLanes, head, a.head_dim);
-    write_code(a, is_v, head, m, slot[p], code[p], nan_marked(row, m, a.head_dim));
+    for (int p = 0; p < P; ++p) any = any || slot[p] >= 0;
+    if (!any) continue;
+    float best[P];
+    int code[P];
+#pragma unroll
+    for (int p = 0; p < P; ++p) best[p] = CUDART_INF_F, code[p] = 0;
+#pragma unroll 16  // amortizes the loop's own instructions
+    for (int k = 0; k < kCentroids; ++k) {
+      float cv[DS];
+#pragma unroll
+      for (int i = 0; i < DS; ++i) cv[i] = c[k * DS + i];
+      const float h = hn[k];
+#pragma unroll
+      for (int p = 0; p < P; ++p) {
+        float score = h;  // |c|^2 / 2 - x.c = (|x - c|^2 - |x|^2) / 2
+#pragma unroll
+        for (int i = 0; i < DS; ++i) score = __fmaf_rn(-xv[p][i], cv[i], score);
+        if (score < best[p]) best[p] = score, code[p] = k;  // first minimum; never a NaN
+      }
+    }
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+      if (slot[p] < 0) continue;
+      const T* row = head_row<T>(a.kv, is_v, tile * C::kTokens + lane + p * C::kLanes, head, a.head_dim);
+      write_code(a, is_v, head, m, slot[p], code[p], nan_marked(row, m, a.head_dim));
+    }
   }
 }
 
@@ -329,8 +441,8 @@ cudaError_t launch_store(const StoreArgs& a, int first_part, int parts, int m, c
   // Set per call, not once per process: the attribute belongs to the current device.
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
   if (err != cudaSuccess) return err;
-  const int groups = ceil_div(m, C::kGroup);
-  dim3 grid(ceil_div(a.num_tokens, C::kTokens), a.num_kv_heads, parts * groups);
+  const int groups = ceil_div(m, C::kGroup), combos = a.num_kv_heads * parts * groups;
+  dim3 grid(tile_ctas(kernel, C::kSmem, ceil_div(a.num_tokens, C::kTokens), combos), a.num_kv_heads, parts * groups);
   kernel<<<grid, kStoreThreads, C::kSmem, stream>>>(a, first_part, groups);
   return cudaGetLastError();
 }
@@ -338,14 +450,13 @@ cudaError_t launch_store(const StoreArgs& a, int first_part, int parts, int m, c
 // Parts with grid records (all of them: the caller launches K and V apart otherwise).
 template <typename T>
 cudaError_t launch_store_grid(const StoreArgs& a, int first_part, int parts, int m, cudaStream_t stream) {
-  using C = StoreCfg<2, 1, true>;
   auto kernel = store_grid_kernel<T>;
   const int rec = max(first_part == 0 ? a.k_grid_bytes : 0, first_part + parts == 2 ? a.v_grid_bytes : 0);
-  const int smem = C::kSmem + C::kGroup * rec;
+  const int smem = kGridSubs * (kCentroids * (int)sizeof(float2) + rec);
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
-  const int groups = ceil_div(m, C::kGroup);
-  dim3 grid(ceil_div(a.num_tokens, C::kTokens), a.num_kv_heads, parts * groups);
+  const int groups = ceil_div(m, kGridSubs), combos = a.num_kv_heads * parts * groups;
+  dim3 grid(tile_ctas(kernel, smem, ceil_div(a.num_tokens, kGridTile), combos), a.num_kv_heads, parts * groups);
   kernel<<<grid, kStoreThreads, smem, stream>>>(a, first_part, groups);
   return cudaGetLastError();
 }

@@ -260,16 +260,18 @@ def test_decode_nan_marked_tokens(window, sliding, g, lut):
 @pytest.mark.parametrize("aligned", [True, False])
 @pytest.mark.parametrize("grid", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_store_marks_non_finite_vectors(aligned, grid, dtype):
+@pytest.mark.parametrize("n", [300, 2048])
+def test_store_marks_non_finite_vectors(aligned, grid, dtype, n):
     """A NaN or infinity anywhere in a (token, KV head)'s K or V: NAN_CODE in subspace 0
     (reference.encode); finite vectors never get it, even on the NaN centroid's neighbours.
     Rows of K not 16-byte aligned take the element-wise check; K with grid records takes
-    the grid search."""
+    the grid search (read through L1 for 300 tokens, staged for 2048)."""
     gen = torch.Generator().manual_seed(5)
-    hkv, d, block, n = 2, 128, 64, 300
+    hkv, d, block = 2, 128, 64
+    blocks = n // block + 2
     lay = PageLayout(block, 64, 32)
-    cache = torch.zeros((8, hkv, block, lay.state_bytes), dtype=torch.uint8, device=DEV)
-    slots = torch.randperm(8 * block, generator=gen)[:n].to(DEV)
+    cache = torch.zeros((blocks, hkv, block, lay.state_bytes), dtype=torch.uint8, device=DEV)
+    slots = torch.randperm(blocks * block, generator=gen)[:n].to(DEV)
     pad = 0 if aligned else 1  # an odd row stride: most rows start off 16-byte boundaries
     key = torch.randn(n, hkv * d + pad, generator=gen).to(DEV, dtype)[:, pad:].view(n, hkv, d)
     value = torch.randn(n, hkv, d, generator=gen).to(DEV, dtype)
@@ -277,12 +279,14 @@ def test_store_marks_non_finite_vectors(aligned, grid, dtype):
     key[9, 0, 127] = float("inf")
     value[20, 1, 100] = float("-inf")
     value[21, 0, 0] = float("nan")
+    late = [(n - 7, 0)]  # in a CTA's later tile
+    key[n - 7, 0, 64] = float("inf")
     k_cb = codebooks.nan_marked(torch.randn(hkv, 64, 256, 2, generator=gen).to(DEV))
     v_cb = codebooks.nan_marked(torch.randn(hkv, 32, 256, 4, generator=gen).to(DEV))
     k_grid = nearest.build(k_cb) if grid else NO_GRID
     torch.ops.pq_backend.store(cache, key, value, slots, k_cb, v_cb, k_grid, NO_GRID, *lay.kernel_args())
     kc, vc = reference.codes_at(cache, slots, lay)
-    for codes, rows in ((kc, [(5, 1), (9, 0)]), (vc, [(20, 1), (21, 0)])):
+    for codes, rows in ((kc, [(5, 1), (9, 0)] + late), (vc, [(20, 1), (21, 0)])):
         want = torch.zeros(n, hkv, dtype=torch.bool, device=DEV)
         for t, h in rows:
             want[t, h] = True

@@ -1,11 +1,13 @@
 // Quantize new K/V rows to their nearest centroids and write the codes into the pages.
 //
-// One CTA per (32-128 tokens, KV head, K|V, group of subspaces): the groups are spread
-// over the grid, not looped over in one CTA, so that a decode step's few tokens still
-// fill the GPU (64 tokens gave 16 CTAs before). K and V have their own subspace width DS,
-// so they are one launch when the widths agree and two otherwise. A CTA stages its
-// group's fp32 centroids in shared memory with each centroid's |c|^2 / 2; a warp's lanes
-// take tokens of one subspace, so every centroid read is a broadcast. The nearest centroid
+// A CTA takes one KV head, K or V, and a group of subspaces, and walks tiles of the
+// tokens (tile_ctas: as many CTAs as fill the GPU once, each tile a CTA's at most): the
+// groups are spread over the grid, not looped over in one CTA, so that a decode step's few
+// tokens still fill the GPU (64 tokens gave 16 CTAs before). K and V have their own
+// subspace width DS, so they are one launch when the widths agree and two otherwise. The
+// full search stages its group's fp32 centroids in shared memory with each centroid's
+// |c|^2 / 2; a warp's lanes take tokens of one subspace, so every centroid read is a
+// broadcast. The nearest centroid
 // minimises |c|^2 / 2 - x.c (DS fused multiply-adds and a compare per centroid, against
 // 2 DS operations for |x - c|^2); the first minimum wins and a NaN score never does. In
 // fp32 this may pick a centroid whose distance ties the nearest one's within rounding of
@@ -19,7 +21,7 @@
 // most of the 256 centroids: a token's cell lists the few that can be nearest to it, in
 // index order, and the same fp32 scores pick among them, so the code is the full search's
 // (a token outside the record's box, or not finite, gets the full search). Large stores
-// take that path, 128 tokens per CTA (4 a lane) as the full search's large stores have.
+// stage 16 subspaces per CTA interleaved in shared memory (store_grid_kernel).
 // A decode step's store (fewer than kManyTokens tokens) gives each (KV head, subspace) too
 // few tokens to pay for staging: its warps read the record and the listed centroids
 // through L1 instead (store_grid_l1_kernel).
@@ -57,12 +59,11 @@ __device__ __forceinline__ float half_sq_norm(const float* c) {
 }
 
 // A CTA's group of mg subspaces into shared memory: centroids [kGroup][256][DS] by
-// asynchronous copies, all in flight at once (a loop of plain copies waited for each
-// load in turn: its L2 round trips, and those of the |c|^2 / 2 pass that read the
-// centroids again from global memory, were most of a 128-token CTA's time), then, once
-// they have landed, their |c|^2 / 2 [kGroup][256] (returned) from the staged copies. Both
-// store kernels score with these, so the grid search's scores are the full search's bit
-// for bit. `more`: issues the caller's own loads while the copies are in flight.
+// asynchronous copies, all in flight at once, then, once they have landed, their
+// |c|^2 / 2 [kGroup][256] (returned) from the staged copies: the one rounding sequence
+// that every store path scores with, so that the grid searches' codes are the full
+// search's bit for bit. `more`: issues the caller's own loads while the copies are in
+// flight.
 template <int DS, int kGroup, typename More>
 __device__ __forceinline__ float* stage_centroids(const float* cb, int mg, float* smem, More&& more) {
   for (int i = threadIdx.x; i < mg * kCentroids * DS / 4; i += kStoreThreads) cp_async16(smem + 4 * i, cb + 4 * i);
@@ -77,8 +78,8 @@ __device__ __forceinline__ float* stage_centroids(const float* cb, int mg, float
 
 // CTAs per (KV head, part, group) along the tokens: as many as fill the GPU once with
 // `combos` such triples (each CTA stages its group once and then walks tiles
-// blockIdx.x, + gridDim.x, ...), at most one per tile. Before, a CTA per 128-token tile
-// staged its group's 25-45 KB for 1024 searches: 16K tokens read 745 MB from L2.
+// blockIdx.x, + gridDim.x, ...), at most one per tile. A CTA per tile staged its group for
+// every tile: for the grid search, 74 KB for 1024 searches.
 template <typename Kernel>
 int tile_ctas(Kernel kernel, int smem, int tiles, int combos) {
   int dev = 0, sms = 1, per_sm = 1;
@@ -267,10 +268,14 @@ __device__ __forceinline__ bool half_warp_nonfinite(const T* row, int head_dim, 
 // Large stores of 2-D subspaces with grid records. A CTA stages kGridSubs subspaces of one
 // (KV head, K|V) interleaved (SharedCentroids, SharedRecord) and walks tiles of kGridTile
 // tokens (tile_ctas); lane l of a warp searches subspace l % 16 of token l / 16 of a pair,
-// each warp 4 pairs of a tile, whose loads are all issued before the first search. (Lanes over the
-// tokens of one subspace, before, read random entries of one table: about 3.5 shared
-// wavefronts a load.) The CTA of subspaces 0..15 also checks every element of its tokens'
-// vectors for the non-finite mark, 16 bytes a lane.
+// each warp 4 pairs of a tile, whose loads are all issued before the first search. Lanes
+// over the tokens of one subspace, before, read random entries of one table (541 against
+// 427 us for 16K tokens x 8 KV heads on an H100, eval/results/store_grid16_bc1f1dc/; the
+// profile there still counts 1.8 wavefronts per shared load: the two tokens' lanes of one
+// subspace share its banks). The CTA of subspaces 0..15 also checks every element of its
+// tokens' vectors for the non-finite mark, 16 bytes a lane (one lane doing it for each of
+// its tokens likely made that warp the last of a CTA that walks several tiles:
+// eval/results/store_grid16_bc1f1dc/first_attempt_h200/).
 template <typename T>
 __global__ void __launch_bounds__(kStoreThreads) store_grid_kernel(StoreArgs a, int first_part, int groups) {
   constexpr int kTile = kGridTile, kPairs = kTile / 2 / (kStoreThreads / 32);  // a warp's token pairs per tile

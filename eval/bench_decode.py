@@ -26,7 +26,7 @@ import statistics
 import sys
 
 import torch
-from provenance import provenance  # eval/ is the script's directory
+from provenance import provenance, write_result  # eval/ is the script's directory
 
 HQ, HKV, D = 32, 8, 128
 SHAPES = {"llama3-8b": (32, 8), "qwen2.5-7b": (28, 4)}  # (query heads, KV heads), d = 128
@@ -223,9 +223,7 @@ def main() -> int:
     stamp = provenance()
     if args.g_sweep:
         rows = g_sweep(args, gen)
-        with open(args.out, "w") as f:
-            json.dump(dict(stamp, head_dim=D, kv_heads=8, pq_block=PQ_BLOCK, window=WINDOW, rows=rows), f, indent=1)
-        print(f"wrote {args.out}")
+        write_result(args.out, dict(stamp, head_dim=D, kv_heads=8, pq_block=PQ_BLOCK, window=WINDOW, rows=rows))
         return 0
     copy_gbs = copy_bandwidth()
     hq, hkv = SHAPES[args.shape]

@@ -20,7 +20,7 @@ import sys
 
 import torch
 from bench_store import timed  # eval/ is the script's directory
-from provenance import provenance
+from provenance import provenance, write_result
 
 HQ, HKV, D = 32, 8, 128
 
@@ -55,9 +55,7 @@ def main() -> int:
         r = run(tokens)
         print(json.dumps(r), flush=True)
         rows.append(dict(r, **stamp))
-    with open(args.out, "w") as f:
-        json.dump({"rows": rows}, f, indent=1)
-    print(f"wrote {args.out}")
+    write_result(args.out, {"rows": rows})
     return 0
 
 

@@ -19,7 +19,7 @@ import statistics
 import sys
 
 import torch
-from provenance import provenance  # eval/ is the script's directory
+from provenance import provenance, write_result  # eval/ is the script's directory
 
 HKV, D, BLOCK = 8, 128, 128
 
@@ -101,9 +101,7 @@ def main() -> int:
                 r.update(stamp)
                 print(json.dumps({k: r[k] for k in ("backend", "tokens", "us")}), flush=True)
                 rows.append(r)
-    with open(args.out, "w") as f:
-        json.dump({"rows": rows}, f, indent=1)
-    print(f"wrote {args.out}")
+    write_result(args.out, {"rows": rows})
     return 0
 
 

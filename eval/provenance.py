@@ -47,6 +47,13 @@ def provenance(device: str | None = None) -> dict:
     )
 
 
+def write_result(path: str, result: dict) -> None:
+    """A run's JSON (its rows stamped with provenance()) into ``path``, and say so."""
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {path}")
+
+
 def codebook_meta(path):
     """bits, M, method and hash of a codebook file, for the rows it produces."""
     from vllm_pq_backend import codebooks

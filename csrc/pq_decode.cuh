@@ -71,15 +71,15 @@ struct DecodeCfg {
   static constexpr int NK = 8 / DWK;
   static constexpr int NV = VSUB < 4 ? VSUB : 4;
   static constexpr int RV = 8 / DWV;  // lane rows of one phase for V
-  // 12 warps without prefetching the next chunk's codes (<= 168 registers) hid latency
-  // better than 8 with it (246-251 registers) with the lookup layout before the codebook
-  // image: at 4 bits 0.86x FA3 instead of 0.85x at 1K x 64, 1.33x instead of 1.16x at
-  // 32K x 8; 16 warps (128 registers, small spills) were within 2% of 12
-  // (eval/results/decode_variants/; not yet measured again with the image). head_dim 256
-  // keeps 8: its codebooks stay in global memory and its fragments need the registers.
+  // 12 warps hid latency better than 8 that prefetched the next chunk's codes into registers
+  // (<= 168 registers against 246-251): at 4 bits 0.86x FA3 instead of 0.85x at 1K x 64,
+  // 1.33x instead of 1.16x at 32K x 8; 16 warps (128 registers, small spills) were within 2%
+  // of 12 (eval/results/decode_variants/, the lookup layout before the codebook image).
+  // The next chunk's K codes are now prefetched into shared memory instead (kStageBytes).
+  // head_dim 256 keeps 8: its codebooks stay in global memory and its fragments need the
+  // registers.
   static constexpr int kWarps = D <= 128 ? 12 : 8;
   static constexpr int kThreads = 32 * kWarps;
-  static constexpr bool kPrefetch = false;
   // The codebook image (k_word / v_word): rows of 256 bytes, one per code. head_dim 128: all K
   // rows, then all V rows; head_dim 64: a row holds K's 128 bytes, then V's.
   static constexpr int kRow = 256;
@@ -88,6 +88,7 @@ struct DecodeCfg {
   // Q.centroid tables (LUT) in place of K's rows (head_dim 128) or after the image (64)
   static constexpr int kLutOffset = D == 128 ? 0 : kImgBytes;
   static constexpr int kCbBytes = D == 128 ? kImgBytes : kImgBytes + MK * kCentroids * 4;
+  static_assert(kWarps * kChunk * MV <= kWarps * kHeadsPerCta * (D + 2) * 4, "V staging in the reduction region");
   static constexpr int kRedBytes = kWarps * kHeadsPerCta * (D + 2) * (int)sizeof(float);
   // Dynamic shared memory: the cross-warp reduction from byte 0 (the codebooks stay for the
   // next item: it has a region of its own), then the codebook image at img_at(base), the first
@@ -98,8 +99,13 @@ struct DecodeCfg {
   __host__ __device__ static constexpr int img_at(uint32_t base) {
     return kRedBytes + (int)((0x10000u - ((base + kRedBytes) & 0xffffu)) & 0xffffu);
   }
+  // Each warp's staging of its next chunk's K codes (32 token rows of MK bytes, as in the
+  // page), after the codebooks: copied asynchronously while the warp works on the chunk
+  // before, so that a chunk starts without waiting on HBM for the codes it needs first.
+  static constexpr int kStageBytes = kWarps * kChunk * MK;
+  __host__ __device__ static constexpr int stage_at(uint32_t base) { return kCbSmem ? img_at(base) + kCbBytes : kRedBytes; }
   // `reserved`: where the window's dynamic shared memory starts (the driver's reserved bytes)
-  static constexpr int smem_bytes(int reserved) { return kCbSmem ? img_at(reserved) + kCbBytes : kRedBytes; }
+  static constexpr int smem_bytes(int reserved) { return stage_at(reserved) + kStageBytes; }
   static_assert(DSK >= 2 && DSK <= 8 && DSV >= 2 && DSV <= 8 && D % 16 == 0 && MK % 8 == 0 &&
                 MV % 8 == 0, "unsupported D/M");
   static_assert(VSUB * DWV == NT, "tiles");
@@ -219,17 +225,19 @@ struct DecodeCta {
   const T* vcb;
   const uint8_t* img;  // this head's codebook image (head_dim <= 128)
   uint8_t* bsm;        // where it sits in shared memory (DecodeCfg::img_at)
+  uint8_t* stage;      // this warp's K-code staging (DecodeCfg::kStageBytes)
+  uint8_t* vstage;
   const T* wk = nullptr;  // this request's window rows [W][D]
   const T* wv = nullptr;
   int win_base;  // position of window slot 0
   LaneLookup<C> lk;
 
   __device__ DecodeCta(const DecodeArgs& a_, int req_, int hkv_, int r_, int c_, const int32_t* bt_, int win_base_,
-                       int img_at)
+                       int img_at, uint8_t* stage_)
       : a(a_), req(req_), hkv(hkv_), r(r_), c(c_), bt(bt_),
         kcb(static_cast<const T*>(a_.k_cb) + (int64_t)hkv_ * kCentroids * D),
         vcb(static_cast<const T*>(a_.v_cb) + (int64_t)hkv_ * kCentroids * D),
-        img(a_.books + (int64_t)hkv_ * C::kImgBytes), bsm(pq_smem + img_at), win_base(win_base_),
+        img(a_.books + (int64_t)hkv_ * C::kImgBytes), bsm(pq_smem + img_at), stage(stage_), vstage(pq_smem + (threadIdx.x / 32) * kChunk * MV), win_base(win_base_),
         lk(r_, c_, static_cast<uint32_t>(__cvta_generic_to_shared(bsm)) >> 16) {}
 
   __device__ const uint8_t* region(int t0) const {
@@ -237,28 +245,35 @@ struct DecodeCta {
     return a.pages.base + (int64_t)page * a.pages.block_stride + (int64_t)hkv * a.pages.head_stride;
   }
 
-  // K codes of this lane's tokens and quarter; V codes of its tiles, tile
-  // qb*NV + (j + rv) % NV in slot qb*NV + j (an 8-byte load covers both halves).
-  __device__ void load_codes(int t0, ChunkCodes<C>& cc) const {
+  // This warp's chunk t0 of K codes into its staging, and of V codes into vstage
+  // (asynchronous 16-byte copies, the caller's next take waits for them).
+  __device__ void stage_k(int t0, int lane) const {
     const uint8_t* reg = region(t0);
     const int off0 = t0 % a.pages.block_size;
-    const PageLayout& L = a.pages.lay;
+    const uint8_t* src = reg + a.pages.lay.k_off + off0 * MK;
+    for (int u = 16 * lane; u < kChunk * MK; u += 16 * 32) cp_async16(stage + u, src + u);
+    for (int u = lane; u < 2 * MV; u += 32)
+      cp_async16(vstage + 16 * u, reg + a.pages.lay.v_off + (u / 2) * a.pages.lay.v_sub + off0 + 16 * (u % 2));
+  }
+
+  __device__ void take_k(ChunkCodes<C>& cc) const {
+    cp_async_wait_all();
+    __syncwarp();  // the other lanes' copies are visible
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < 2; ++h)
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int tok = off0 + k_token(h, r) + 2 * e;
-        load_bytes<C::MQ>(reg + L.k_off + tok * L.k_tok + c * C::MQ, cc.k[h][e]);
-      }
-    }
+      for (int e = 0; e < 2; ++e) load_bytes<C::MQ>(stage + (k_token(h, r) + 2 * e) * MK + c * C::MQ, cc.k[h][e]);
 #pragma unroll
     for (int i = 0; i < C::VSUB; ++i) {
       const int q = (i / C::NV) * C::NV + (i % C::NV + lk.rv) % C::NV;
-      const uint2 x = *reinterpret_cast<const uint2*>(reg + L.v_off + (8 * q + r) * L.v_sub + off0 + 8 * c);
+      const uint2 x = *reinterpret_cast<const uint2*>(vstage + (8 * q + r) * kChunk + 8 * c);
       cc.v[0][i] = x.x;
       cc.v[1][i] = x.y;
     }
+    __syncwarp();
   }
+
+  __device__ void load_v(int, ChunkCodes<C>&) const {}
 
   // K of one token, this lane's quarter of the dims (subspaces c*MQ .. in order), as words.
   template <bool WIN>
@@ -399,10 +414,12 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
   const int slots = a.num_splits;
   const int img_at = C::img_at(static_cast<uint32_t>(__cvta_generic_to_shared(pq_smem)));
   // (the launch sized shared memory for the window starting at the reserved bytes)
-  if (C::kCbSmem && img_at + C::kCbBytes > (int)dynamic_smem_bytes()) __trap();
+  const int stage_at = C::stage_at(static_cast<uint32_t>(__cvta_generic_to_shared(pq_smem)));
+  if (stage_at + C::kStageBytes > (int)dynamic_smem_bytes()) __trap();
   // The codebooks, once for all of this CTA's items, in flight while the first codes load.
   bool books_ready = !C::kCbSmem;
-  if constexpr (C::kCbSmem) DecodeCta<T, D, MK, MV>(a, 0, hkv, r, c, nullptr, 0, img_at).template load_books<LUT>();
+  uint8_t* stage = pq_smem + stage_at + warp * kChunk * MK;
+  if constexpr (C::kCbSmem) DecodeCta<T, D, MK, MV>(a, 0, hkv, r, c, nullptr, 0, img_at, stage).template load_books<LUT>();
 
   for (int item = blockIdx.x; item < a.num_reqs * slots; item += gridDim.x) {
     const int req = item / slots, slot = item % slots;
@@ -426,7 +443,8 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
       continue;
     }
 
-    DecodeCta<T, D, MK, MV> cta(a, req, hkv, r, c, a.block_table + (int64_t)req * a.bt_stride, n_codes, img_at);
+    if (item != (int)blockIdx.x) __syncthreads();  // the reduction region's readers are done
+    DecodeCta<T, D, MK, MV> cta(a, req, hkv, r, c, a.block_table + (int64_t)req * a.bt_stride, n_codes, img_at, stage);
     if (has_win) {
       const int64_t row = ((int64_t)a.rows[req] * a.num_kv_heads + hkv) * a.window * D;
       cta.wk = static_cast<const T*>(a.win_k) + row;
@@ -576,8 +594,7 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
       const int first = (t_begin / kChunk) * kChunk;
       code_chunks = ceil_div(t_end - first, kChunk);
       int t0 = first + warp * kChunk;
-      ChunkCodes<C> cur, nxt;
-      if (t0 < t_end) cta.load_codes(t0, cur);  // in flight while the codebooks arrive
+      if (t0 < t_end) cta.stage_k(t0, lane);  // in flight while the codebooks arrive
       if constexpr (C::kCbSmem) {
         if (LUT || !books_ready) {  // the copies (and this item's LUT) are visible after
           cp_async_wait_all();
@@ -586,14 +603,11 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
         }
       }
       for (; t0 < t_end; t0 += stride) {
-        if constexpr (C::kPrefetch) {
-          if (t0 + stride < t_end) cta.load_codes(t0 + stride, nxt);
-          chunk(std::false_type{}, t0, cur, t_begin, t_end);
-          cur = nxt;
-        } else {
-          chunk(std::false_type{}, t0, cur, t_begin, t_end);
-          if (t0 + stride < t_end) cta.load_codes(t0 + stride, cur);
-        }
+        ChunkCodes<C> cur;
+        cta.take_k(cur);
+        if (t0 + stride < t_end) cta.stage_k(t0 + stride, lane);
+        cta.load_v(t0, cur);
+        chunk(std::false_type{}, t0, cur, t_begin, t_end);
       }
     }
     if (has_win) {  // the window's chunks go on round the warps where the codes' stopped

@@ -24,7 +24,9 @@
 // eval/results/ncu_decode/.) Where a V block has fewer than 4 tiles (head_dim 64 at 2 bits
 // and below, head_dim 128 at 1 bit) lane columns share tiles: 2- or 4-way conflicts remain.
 //
-// V codes: one 8-byte load per tile gives a lane its tokens 8c .. 8c+7 (both halves).
+// Codes: a warp copies its next chunk's K and V codes into shared memory asynchronously
+// while it works on the current one (DecodeCfg::kStageBytes); from there one 8-byte load per
+// tile gives a lane its V codes of tokens 8c .. 8c+7 (both halves).
 //
 // Fragment bookkeeping (lane = 4 r + c):
 // * Head dims are permuted for Q.K (a sum over dims): in k-step j thread c holds logical
@@ -75,7 +77,7 @@ struct DecodeCfg {
   // (<= 168 registers against 246-251): at 4 bits 0.86x FA3 instead of 0.85x at 1K x 64,
   // 1.33x instead of 1.16x at 32K x 8; 16 warps (128 registers, small spills) were within 2%
   // of 12 (eval/results/decode_variants/, the lookup layout before the codebook image).
-  // The next chunk's K codes are now prefetched into shared memory instead (kStageBytes).
+  // The next chunk's codes are now prefetched into shared memory instead (kStageBytes).
   // head_dim 256 keeps 8: its codebooks stay in global memory and its fragments need the
   // registers.
   static constexpr int kWarps = D <= 128 ? 12 : 8;
@@ -88,7 +90,6 @@ struct DecodeCfg {
   // Q.centroid tables (LUT) in place of K's rows (head_dim 128) or after the image (64)
   static constexpr int kLutOffset = D == 128 ? 0 : kImgBytes;
   static constexpr int kCbBytes = D == 128 ? kImgBytes : kImgBytes + MK * kCentroids * 4;
-  static_assert(kWarps * kChunk * MV <= kWarps * kHeadsPerCta * (D + 2) * 4, "V staging in the reduction region");
   static constexpr int kRedBytes = kWarps * kHeadsPerCta * (D + 2) * (int)sizeof(float);
   // Dynamic shared memory: the cross-warp reduction from byte 0 (the codebooks stay for the
   // next item: it has a region of its own), then the codebook image at img_at(base), the first
@@ -99,10 +100,14 @@ struct DecodeCfg {
   __host__ __device__ static constexpr int img_at(uint32_t base) {
     return kRedBytes + (int)((0x10000u - ((base + kRedBytes) & 0xffffu)) & 0xffffu);
   }
-  // Each warp's staging of its next chunk's K codes (32 token rows of MK bytes, as in the
-  // page), after the codebooks: copied asynchronously while the warp works on the chunk
-  // before, so that a chunk starts without waiting on HBM for the codes it needs first.
+  // Each warp stages its next chunk's codes in shared memory, copied asynchronously while it
+  // works on the chunk before, so that a chunk starts without waiting on HBM (global-load
+  // stalls were 19% of samples at c4b9156; prefetching into registers cost warps or spills):
+  // K codes (32 token rows of MK bytes, as in the page) after the codebooks (kStageBytes),
+  // V codes (MV rows of 32 tokens) in the reduction region, idle while chunks run
+  // (kVStageBytes).
   static constexpr int kStageBytes = kWarps * kChunk * MK;
+  static constexpr int kVStageBytes = kWarps * kChunk * MV;
   __host__ __device__ static constexpr int stage_at(uint32_t base) { return kCbSmem ? img_at(base) + kCbBytes : kRedBytes; }
   // `reserved`: where the window's dynamic shared memory starts (the driver's reserved bytes)
   static constexpr int smem_bytes(int reserved) { return stage_at(reserved) + kStageBytes; }
@@ -110,6 +115,7 @@ struct DecodeCfg {
                 MV % 8 == 0, "unsupported D/M");
   static_assert(VSUB * DWV == NT, "tiles");
   static_assert(!kCbSmem || D == 64 || D == 128, "the codebook image has rows of 2 * 128 bytes");
+  static_assert(kVStageBytes <= kRedBytes, "V staging in the reduction region");
   static_assert(MQ % NK == 0 && VSUB % NV == 0, "rotation blocks");
   static_assert(!kCbSmem || kVBase % 65536 == 0 || kVBase < 256, "V rows at the next 64 KB or within a row");
 };
@@ -225,8 +231,8 @@ struct DecodeCta {
   const T* vcb;
   const uint8_t* img;  // this head's codebook image (head_dim <= 128)
   uint8_t* bsm;        // where it sits in shared memory (DecodeCfg::img_at)
-  uint8_t* stage;      // this warp's K-code staging (DecodeCfg::kStageBytes)
-  uint8_t* vstage;
+  uint8_t* stage;      // this warp's staging of K codes (DecodeCfg::kStageBytes)
+  uint8_t* vstage;     // and of V codes (DecodeCfg::kVStageBytes)
   const T* wk = nullptr;  // this request's window rows [W][D]
   const T* wv = nullptr;
   int win_base;  // position of window slot 0
@@ -237,7 +243,8 @@ struct DecodeCta {
       : a(a_), req(req_), hkv(hkv_), r(r_), c(c_), bt(bt_),
         kcb(static_cast<const T*>(a_.k_cb) + (int64_t)hkv_ * kCentroids * D),
         vcb(static_cast<const T*>(a_.v_cb) + (int64_t)hkv_ * kCentroids * D),
-        img(a_.books + (int64_t)hkv_ * C::kImgBytes), bsm(pq_smem + img_at), stage(stage_), vstage(pq_smem + (threadIdx.x / 32) * kChunk * MV), win_base(win_base_),
+        img(a_.books + (int64_t)hkv_ * C::kImgBytes), bsm(pq_smem + img_at), stage(stage_),
+        vstage(pq_smem + (threadIdx.x / 32) * kChunk * MV), win_base(win_base_),
         lk(r_, c_, static_cast<uint32_t>(__cvta_generic_to_shared(bsm)) >> 16) {}
 
   __device__ const uint8_t* region(int t0) const {
@@ -245,9 +252,9 @@ struct DecodeCta {
     return a.pages.base + (int64_t)page * a.pages.block_stride + (int64_t)hkv * a.pages.head_stride;
   }
 
-  // This warp's chunk t0 of K codes into its staging, and of V codes into vstage
-  // (asynchronous 16-byte copies, the caller's next take waits for them).
-  __device__ void stage_k(int t0, int lane) const {
+  // This warp's chunk t0 of codes into its staging: K's 32 rows (contiguous in the page),
+  // V's MV rows of 32 bytes, as asynchronous 16-byte copies (take_codes waits for them).
+  __device__ void stage_codes(int t0, int lane) const {
     const uint8_t* reg = region(t0);
     const int off0 = t0 % a.pages.block_size;
     const uint8_t* src = reg + a.pages.lay.k_off + off0 * MK;
@@ -256,7 +263,10 @@ struct DecodeCta {
       cp_async16(vstage + 16 * u, reg + a.pages.lay.v_off + (u / 2) * a.pages.lay.v_sub + off0 + 16 * (u % 2));
   }
 
-  __device__ void take_k(ChunkCodes<C>& cc) const {
+  // The staged codes this lane needs: K of its tokens and quarter; V of its tiles, tile
+  // qb*NV + (j + rv) % NV in slot qb*NV + j (an 8-byte load covers both halves). The staging
+  // is free for the next stage_codes once this returns (every lane of the warp has read it).
+  __device__ void take_codes(ChunkCodes<C>& cc) const {
     cp_async_wait_all();
     __syncwarp();  // the other lanes' copies are visible
 #pragma unroll
@@ -272,8 +282,6 @@ struct DecodeCta {
     }
     __syncwarp();
   }
-
-  __device__ void load_v(int, ChunkCodes<C>&) const {}
 
   // K of one token, this lane's quarter of the dims (subspaces c*MQ .. in order), as words.
   template <bool WIN>
@@ -443,7 +451,7 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
       continue;
     }
 
-    if (item != (int)blockIdx.x) __syncthreads();  // the reduction region's readers are done
+    if (item != (int)blockIdx.x) __syncthreads();  // the reduction region's readers are done (V staging)
     DecodeCta<T, D, MK, MV> cta(a, req, hkv, r, c, a.block_table + (int64_t)req * a.bt_stride, n_codes, img_at, stage);
     if (has_win) {
       const int64_t row = ((int64_t)a.rows[req] * a.num_kv_heads + hkv) * a.window * D;
@@ -594,7 +602,7 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
       const int first = (t_begin / kChunk) * kChunk;
       code_chunks = ceil_div(t_end - first, kChunk);
       int t0 = first + warp * kChunk;
-      if (t0 < t_end) cta.stage_k(t0, lane);  // in flight while the codebooks arrive
+      if (t0 < t_end) cta.stage_codes(t0, lane);  // in flight while the codebooks arrive
       if constexpr (C::kCbSmem) {
         if (LUT || !books_ready) {  // the copies (and this item's LUT) are visible after
           cp_async_wait_all();
@@ -604,9 +612,8 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
       }
       for (; t0 < t_end; t0 += stride) {
         ChunkCodes<C> cur;
-        cta.take_k(cur);
-        if (t0 + stride < t_end) cta.stage_k(t0 + stride, lane);
-        cta.load_v(t0, cur);
+        cta.take_codes(cur);
+        if (t0 + stride < t_end) cta.stage_codes(t0 + stride, lane);
         chunk(std::false_type{}, t0, cur, t_begin, t_end);
       }
     }

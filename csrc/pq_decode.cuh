@@ -110,7 +110,8 @@ struct DecodeCfg {
   static constexpr int kVStageBytes = kWarps * kChunk * MV;
   __host__ __device__ static constexpr int stage_at(uint32_t base) { return kCbSmem ? img_at(base) + kCbBytes : kRedBytes; }
   // `reserved`: where the window's dynamic shared memory starts (the driver's reserved bytes)
-  static constexpr int smem_bytes(int reserved) { return stage_at(reserved) + kStageBytes; }
+  static constexpr int kLaneBytes = 32 * 4 * ((NK + 1) / 2 + (NV + 1) / 2 + 2);
+  static constexpr int smem_bytes(int reserved) { return stage_at(reserved) + kStageBytes + kLaneBytes; }
   static_assert(DSK >= 2 && DSK <= 8 && DSV >= 2 && DSV <= 8 && D % 16 == 0 && MK % 8 == 0 &&
                 MV % 8 == 0, "unsupported D/M");
   static_assert(VSUB * DWV == NT, "tiles");
@@ -193,6 +194,27 @@ struct LaneLookup {
                                     // 16-31 of the K / V rows' shared-window address
   uint32_t k_rot[2];  // byte_perm selectors rotating code bytes by rk within blocks of NK
   int rk, rv;
+  static constexpr int kWords = (C::NK + 1) / 2 + (C::NV + 1) / 2 + 2;
+
+  // The offsets and selectors from / to a per-lane table in shared memory ([word][lane]):
+  // the compiler, short of registers, recomputed them from (r, c) every chunk (about 70
+  // instructions); a reload is a few shared loads.
+  __device__ void save(uint32_t* t, int lane) const {
+    int i = 0;
+    for (int j = 0; j < (C::NK + 1) / 2; ++j) t[32 * i++ + lane] = k_off[j];
+    for (int j = 0; j < (C::NV + 1) / 2; ++j) t[32 * i++ + lane] = v_off[j];
+    t[32 * i++ + lane] = k_rot[0];
+    t[32 * i++ + lane] = k_rot[1];
+  }
+  __device__ void load(const uint32_t* t, int lane) {
+    int i = 0;
+#pragma unroll
+    for (int j = 0; j < (C::NK + 1) / 2; ++j) k_off[j] = t[32 * i++ + lane];
+#pragma unroll
+    for (int j = 0; j < (C::NV + 1) / 2; ++j) v_off[j] = t[32 * i++ + lane];
+    k_rot[0] = t[32 * i++ + lane];
+    k_rot[1] = t[32 * i++ + lane];
+  }
 
   // hi: bits 16-31 of the image's shared-window address (its low 16 bits are zero)
   __device__ LaneLookup(int r, int c, uint32_t hi) {
@@ -423,11 +445,16 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
   const int img_at = C::img_at(static_cast<uint32_t>(__cvta_generic_to_shared(pq_smem)));
   // (the launch sized shared memory for the window starting at the reserved bytes)
   const int stage_at = C::stage_at(static_cast<uint32_t>(__cvta_generic_to_shared(pq_smem)));
-  if (stage_at + C::kStageBytes > (int)dynamic_smem_bytes()) __trap();
+  if (stage_at + C::kStageBytes + C::kLaneBytes > (int)dynamic_smem_bytes()) __trap();
+  uint32_t* lane_table = reinterpret_cast<uint32_t*>(pq_smem + stage_at + C::kStageBytes);
   // The codebooks, once for all of this CTA's items, in flight while the first codes load.
   bool books_ready = !C::kCbSmem;
   uint8_t* stage = pq_smem + stage_at + warp * kChunk * MK;
-  if constexpr (C::kCbSmem) DecodeCta<T, D, MK, MV>(a, 0, hkv, r, c, nullptr, 0, img_at, stage).template load_books<LUT>();
+  if constexpr (C::kCbSmem) {
+    DecodeCta<T, D, MK, MV> first(a, 0, hkv, r, c, nullptr, 0, img_at, stage);
+    first.template load_books<LUT>();
+    if (warp == 0) first.lk.save(lane_table, lane);  // published by the books' barrier
+  }
 
   for (int item = blockIdx.x; item < a.num_reqs * slots; item += gridDim.x) {
     const int req = item / slots, slot = item % slots;
@@ -613,6 +640,7 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
       for (; t0 < t_end; t0 += stride) {
         ChunkCodes<C> cur;
         cta.take_codes(cur);
+        if constexpr (C::kCbSmem) cta.lk.load(lane_table, lane);
         if (t0 + stride < t_end) cta.stage_codes(t0 + stride, lane);
         chunk(std::false_type{}, t0, cur, t_begin, t_end);
       }

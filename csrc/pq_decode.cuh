@@ -110,7 +110,8 @@ struct DecodeCfg {
   static constexpr int kVStageBytes = kWarps * kChunk * MV;
   __host__ __device__ static constexpr int stage_at(uint32_t base) { return kCbSmem ? img_at(base) + kCbBytes : kRedBytes; }
   // `reserved`: where the window's dynamic shared memory starts (the driver's reserved bytes)
-  static constexpr int kLaneBytes = 32 * 4 * ((NK + 1) / 2 + (NV + 1) / 2 + 2);
+  // LaneLookup's per-lane constants ([word][lane], LaneLookup::save), after the K staging
+  static constexpr int kLaneBytes = kCbSmem ? 32 * 4 * ((NK + 1) / 2 + (NV + 1) / 2 + 2) : 0;
   static constexpr int smem_bytes(int reserved) { return stage_at(reserved) + kStageBytes + kLaneBytes; }
   static_assert(DSK >= 2 && DSK <= 8 && DSV >= 2 && DSV <= 8 && D % 16 == 0 && MK % 8 == 0 &&
                 MV % 8 == 0, "unsupported D/M");
@@ -261,12 +262,12 @@ struct DecodeCta {
   LaneLookup<C> lk;
 
   __device__ DecodeCta(const DecodeArgs& a_, int req_, int hkv_, int r_, int c_, const int32_t* bt_, int win_base_,
-                       int img_at, uint8_t* stage_)
+                       int img_at, uint8_t* stage_, uint8_t* vstage_)
       : a(a_), req(req_), hkv(hkv_), r(r_), c(c_), bt(bt_),
         kcb(static_cast<const T*>(a_.k_cb) + (int64_t)hkv_ * kCentroids * D),
         vcb(static_cast<const T*>(a_.v_cb) + (int64_t)hkv_ * kCentroids * D),
         img(a_.books + (int64_t)hkv_ * C::kImgBytes), bsm(pq_smem + img_at), stage(stage_),
-        vstage(pq_smem + (threadIdx.x / 32) * kChunk * MV), win_base(win_base_),
+        vstage(vstage_), win_base(win_base_),
         lk(r_, c_, static_cast<uint32_t>(__cvta_generic_to_shared(bsm)) >> 16) {}
 
   __device__ const uint8_t* region(int t0) const {
@@ -276,7 +277,8 @@ struct DecodeCta {
 
   // This warp's chunk t0 of codes into its staging: K's 32 rows (contiguous in the page),
   // V's MV rows of 32 bytes, as asynchronous 16-byte copies (take_codes waits for them).
-  __device__ void stage_codes(int t0, int lane) const {
+  __device__ void stage_codes(int t0) const {
+    const int lane = 4 * r + c;
     const uint8_t* reg = region(t0);
     const int off0 = t0 % a.pages.block_size;
     const uint8_t* src = reg + a.pages.lay.k_off + off0 * MK;
@@ -449,9 +451,10 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
   uint32_t* lane_table = reinterpret_cast<uint32_t*>(pq_smem + stage_at + C::kStageBytes);
   // The codebooks, once for all of this CTA's items, in flight while the first codes load.
   bool books_ready = !C::kCbSmem;
-  uint8_t* stage = pq_smem + stage_at + warp * kChunk * MK;
+  uint8_t* stage = pq_smem + stage_at + warp * kChunk * MK;  // K codes, past the codebooks
+  uint8_t* vstage = pq_smem + warp * kChunk * MV;             // V codes, in the reduction region
   if constexpr (C::kCbSmem) {
-    DecodeCta<T, D, MK, MV> first(a, 0, hkv, r, c, nullptr, 0, img_at, stage);
+    DecodeCta<T, D, MK, MV> first(a, 0, hkv, r, c, nullptr, 0, img_at, stage, vstage);
     first.template load_books<LUT>();
     if (warp == 0) first.lk.save(lane_table, lane);  // published by the books' barrier
   }
@@ -479,7 +482,7 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
     }
 
     if (item != (int)blockIdx.x) __syncthreads();  // the reduction region's readers are done (V staging)
-    DecodeCta<T, D, MK, MV> cta(a, req, hkv, r, c, a.block_table + (int64_t)req * a.bt_stride, n_codes, img_at, stage);
+    DecodeCta<T, D, MK, MV> cta(a, req, hkv, r, c, a.block_table + (int64_t)req * a.bt_stride, n_codes, img_at, stage, vstage);
     if (has_win) {
       const int64_t row = ((int64_t)a.rows[req] * a.num_kv_heads + hkv) * a.window * D;
       cta.wk = static_cast<const T*>(a.win_k) + row;
@@ -629,7 +632,7 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
       const int first = (t_begin / kChunk) * kChunk;
       code_chunks = ceil_div(t_end - first, kChunk);
       int t0 = first + warp * kChunk;
-      if (t0 < t_end) cta.stage_codes(t0, lane);  // in flight while the codebooks arrive
+      if (t0 < t_end) cta.stage_codes(t0);  // in flight while the codebooks arrive
       if constexpr (C::kCbSmem) {
         if (LUT || !books_ready) {  // the copies (and this item's LUT) are visible after
           cp_async_wait_all();
@@ -641,7 +644,7 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
         ChunkCodes<C> cur;
         cta.take_codes(cur);
         if constexpr (C::kCbSmem) cta.lk.load(lane_table, lane);
-        if (t0 + stride < t_end) cta.stage_codes(t0 + stride, lane);
+        if (t0 + stride < t_end) cta.stage_codes(t0 + stride);
         chunk(std::false_type{}, t0, cur, t_begin, t_end);
       }
     }

@@ -300,16 +300,13 @@ def varlen_sdpa(q, k, v, cu_seqlens_q, max_seqlen_q, softmax_scale, causal, max_
     return (o, lse) if return_softmax_lse else o
 
 
-def plan_segments_loops(starts, q_lens, lens, rows, window, block_size, nb, batch_invariant,
-                        pad_codes):
+def plan_segments_loops(starts, q_lens, lens, rows, window, block_size, nb):
     """The window segments of metadata.plan_prefill written as plain loops (its oracle):
     dicts of the int32 and int64 arrays it sets on the plan."""
     n = len(lens)
-    pages_of = np.arange(n * nb).reshape(n, nb)
     total_q = int(starts[-1])
-    seg_q, seg_k, fp_src, st_rows, st_slots = [0], [0], [], [], []
-    code_rows, code_real, code_q, code_len, code_req = [], [], [0], [], []
-    seg_page, fp_dst, seg_end = [], [], []
+    seg_q, seg_k, fp_src, st_rows, st_slots, code_out = [0], [0], [], [], [], []
+    seg_req, seg_col, fp_dst, fp_pad, seg_end = [], [], [], [], []
     win_tok, win_rows, win_slots = [], [], []
     for i in range(n):
         length, first, tok0 = int(lens[i]), int(lens[i] - q_lens[i]), int(starts[i])
@@ -323,34 +320,20 @@ def plan_segments_loops(starts, q_lens, lens, rows, window, block_size, nb, batc
             fp_src.extend(range(tok0 + max(0, g0 - first), tok0 + e - first))
             seg_k.append(seg_k[-1] + e - g0)
             if g0 > 0:
-                code_real.extend(range(len(code_rows), len(code_rows) + e - a))
-                code_rows.extend(range(tok0 + a - first, tok0 + e - first))
-                pad = g0 + window - e if pad_codes else 0
-                code_rows.extend([tok0 + e - 1 - first] * pad)
-                code_q.append(code_q[-1] + e - a + pad)
-                code_len.append(g0)
-                code_req.append(i)
-            if batch_invariant:
-                s0 = len(seg_page) * block_size + g0 % block_size
-                fp_dst.extend(range(s0, s0 + e - g0))
-                seg_page.append(i * nb + g0 // block_size)
-                seg_end.append(e)
+                code_out.extend(range(tok0 + a - first, tok0 + e - first))
+            # the segment's own subpage follows the group's n * nb * B / W
+            own = (n * nb * block_size // window + len(seg_req)) * window
+            fp_dst.extend(range(own, own + e - g0))
+            fp_pad.extend(range(own + e - g0, own + window))
+            seg_req.append(i)
+            seg_col.append(g0 // window)
+            seg_end.append(e)
         last = max(first, window_start(length - 1, window))
         win_tok.extend(range(tok0 + last - first, tok0 + length - first))
         win_rows.extend([rows[i]] * (length - last))
         win_slots.extend(p % window for p in range(last, length))
-    i32 = dict(seg_cu_q=seg_q, seg_cu_k=seg_k)
+    i32 = dict(seg_cu_q=seg_q, seg_cu_k=seg_k, seg_end=seg_end)
     i64 = dict(fp_src=fp_src, store_rows=st_rows, store_slots=st_slots, win_tokens=win_tok,
-               win_rows=win_rows, win_slots=win_slots)
-    if not batch_invariant:  # that mode has no codes part
-        i32.update(code_cu_q=code_q, code_len=code_len)
-        i64.update(code_rows=code_rows, code_req=code_req)
-        if pad_codes:
-            i64.update(code_real=code_real)
-    else:
-        pages = np.asarray(seg_page, dtype=np.int64)
-        table = pages_of[pages // nb]  # a copy: the request's pages, its segment's page
-        table[np.arange(len(pages)), pages % nb] = n * nb + np.arange(len(pages))  # -> copy
-        i32.update(seg_table=table, seg_end=seg_end)
-        i64.update(seg_page=pages, fp_dst=fp_dst)
+               win_rows=win_rows, win_slots=win_slots, code_out=code_out, seg_req=seg_req,
+               seg_col=seg_col, fp_dst=fp_dst, fp_pad=fp_pad)
     return i32, i64

@@ -295,7 +295,7 @@ def _prefill_plan_steps(sim, window, codes):
     def build(*a, **kw):
         md = orig(*a, **kw)
         # a group on the kernel iff it has rows that read codes (all of them without a window)
-        steps.extend((p.codes is not None) == (codes and (p.seg_cu_q is None or p.code_rows.numel() > 0))
+        steps.extend((p.codes is not None) == (codes and (p.seg_cu_q is None or p.code_out.numel() > 0))
                      for p in md.prefills)
         # segment keys without a copy exactly when no earlier step's window entries join them
         assert all(p.fp_in_order == (p.store_rows.numel() == 0)

@@ -312,8 +312,10 @@ def test_builder_on_common_metadata(model_factory):
     assert p.seg_cu_k.tolist() == [0, 32, 64, 70]  # 20 earlier tokens come from the store
     assert p.store_rows.tolist() == [2] * 20 and p.store_slots.tolist() == list(range(20))
     assert p.fp_src[:20].tolist() == [50 + i for i in range(20)]
-    assert p.code_len.tolist() == [32, 64] and p.code_rows.tolist() == list(range(12, 50))
-    assert p.code_q_rows == slice(12, 50)  # one run: ops.prefill takes a view of the queries
+    assert p.code_out.tolist() == list(range(12, 50))  # rows of the segments past position 0
+    # pages of 32 tokens, one subpage each: 3 pages, then the segments' own (3, 4, 5)
+    assert p.seg_table.tolist() == [[3, 1, 2], [0, 4, 2], [0, 1, 5]]
+    assert p.seg_end.tolist() == [32, 64, 70]
     assert p.win_slots.tolist() == list(range(6)) and p.win_rows.tolist() == [2] * 6
     assert not md.batch_invariant
     with pytest.raises(RuntimeError, match="model runner V2"):
@@ -327,7 +329,7 @@ def test_builder_on_common_metadata(model_factory):
     assert p.query_start_loc_cpu == [0, 1, 2, 52] and p.seq_lens_cpu == [40, 7, 70]
     # decoded tokens enter the window (positions 39, 6, 64..69)
     assert p.win_slots.tolist() == [7, 6, *range(6)]
-    assert p.code_rows is None and p.code_out is None  # no codes part to merge in this mode
+    assert p.seg_end.tolist() == [40, 7, 32, 64, 70]  # each segment a request of its own
 
 
 def test_builder_reads_the_window_store_rows_at_each_build(model_factory):
@@ -363,31 +365,37 @@ def test_builder_reads_the_window_store_rows_at_each_build(model_factory):
     assert builder.req_rows.unique().tolist() == [0, 1, 4]  # no entry names row 16
 
 
-def test_batch_invariant_plan_makes_each_segment_a_request():
-    """Batch-invariant mode, window 32, blocks of 64: every segment becomes a request whose
-    pages are its request's pages before the segment's page, then a private copy of that
-    page (numbered after the group's pages) holding the segment's full-precision keys
-    from the segment start on; window 0 plans no segments."""
-    from vllm_pq_backend.metadata import plan_prefills
+def test_segment_plan_makes_each_segment_a_request():
+    """Window 32, blocks of 64: every segment becomes a request over subpages of 32 tokens,
+    its request's pages (two subpages each) with, at its own column, a subpage of its own
+    (numbered after the group's) holding the segment's full-precision keys and zeros after
+    them; window 0 plans no segments. Shared pages (page_first) are subpages of their first
+    entry."""
+    from vllm_pq_backend.metadata import plan_prefills, segment_table
 
     # a decode at position 39 (context 40), then positions 20..69 of a second request
     qsl, seq = np.array([0, 1, 51]), np.array([40, 70])
     table = torch.tensor([[3, 0], [6, 7]], dtype=torch.int32)
     rows = [5, 9]
     assert plan_prefills(qsl, seq, table, 64, 0, rows, "cpu", 1 << 16, True)[0].seg_cu_q is None
-    (p,) = plan_prefills(qsl, seq, table, 64, 32, rows, "cpu", 1 << 16, True)
-    assert p.block_ids.tolist() == [3, 0, 6, 7]  # group-local pages 0..3
-    # segments: [32,40) of request 0 | [0,32) [32,64) [64,70) of request 1
-    assert p.seg_cu_q.tolist() == [0, 1, 13, 45, 51]
-    assert p.seg_end.tolist() == [40, 32, 64, 70]
-    assert p.seg_page.tolist() == [0, 2, 2, 3]
-    assert p.seg_table.tolist() == [[4, 1], [5, 3], [6, 3], [2, 7]]
-    # keys of segment s land in row s*64 + position % 64 of the page copies
-    assert p.fp_dst.tolist() == [*range(32, 40), *range(64, 96), *range(160, 192),
-                                 *range(192, 198)]
-    assert p.seg_cu_k.tolist() == [0, 8, 40, 72, 78]  # one key per fp_dst entry
-    assert (p.fp_src.numel(), p.fp_dst.numel()) == (78, 78)
-    assert plan_prefills(qsl, seq, table, 64, 32, rows, "cpu", 1 << 16)[0].seg_table is None
+    for bi in (True, False):
+        (p,) = plan_prefills(qsl, seq, table, 64, 32, rows, "cpu", 1 << 16, bi)
+        assert p.block_ids.tolist() == [3, 0, 6, 7]  # group-local pages 0..3: subpages 0..7
+        # segments: [32,40) of request 0 | [0,32) [32,64) [64,70) of request 1
+        assert p.seg_cu_q.tolist() == [0, 1, 13, 45, 51]
+        assert p.seg_end.tolist() == [40, 32, 64, 70]
+        assert p.seg_table.tolist() == [[0, 8, 2, 3], [9, 5, 6, 7], [4, 10, 6, 7], [4, 5, 11, 7]]
+        # keys of segment s at tokens (8 + s) * 32 + position - g0 of the subpages, zeros after
+        assert p.fp_dst.tolist() == [*range(256, 264), *range(288, 320), *range(320, 352),
+                                     *range(352, 358)]
+        assert p.fp_pad.tolist() == [*range(264, 288), *range(358, 384)]
+        assert p.seg_cu_k.tolist() == [0, 8, 40, 72, 78]  # one key per fp_dst entry
+        assert p.fp_src.numel() == 78
+    # two requests on the same two pages: the second's subpages are the first's
+    shared = torch.tensor([[0, 1], [0, 1]], dtype=torch.int32)
+    got = segment_table(shared, torch.tensor([0, 1]), torch.tensor([1, 0]), 2)
+    assert got.tolist() == [[0, 8, 2, 3], [9, 1, 2, 3]]  # own subpages after all 2 x 2 x 2
+
 
 @pytest.mark.parametrize("method,draft_kv", [("ngram", False), ("suffix", False),
                                              ("eagle", True), ("draft_model", True)])
@@ -579,9 +587,8 @@ def test_each_tensor_parallel_rank_loads_its_own_kv_heads(tmp_path, monkeypatch,
     assert torch.equal(st.maps["key"], tk_all[want])
 
 
-@pytest.mark.parametrize("window,block,pad_codes,batch_invariant", [
-    (32, 64, False, False), (64, 64, True, False), (32, 128, False, True), (128, 128, True, True)])
-def test_segment_plan_matches_the_plain_loops(window, block, pad_codes, batch_invariant):
+@pytest.mark.parametrize("window,block", [(32, 64), (64, 64), (32, 128), (128, 128)])
+def test_segment_plan_matches_the_plain_loops(window, block):
     """metadata._segments (numpy over all segments) gives the arrays of the plain loops
     (helpers.plan_segments_loops) on random chunks: fresh prompts, continuations, single
     tokens, chunks that start and end inside windows."""
@@ -597,7 +604,7 @@ def test_segment_plan_matches_the_plain_loops(window, block, pad_codes, batch_in
         starts = np.concatenate([[0], np.cumsum(q_lens)])
         rows = rng.permutation(64)[:n]
         nb = int(-(-lens.max() // block))
-        args = (starts, q_lens, lens, rows, window, block, nb, batch_invariant, pad_codes)
+        args = (starts, q_lens, lens, rows, window, block, nb)
         got, want = _segments(*args), plan_segments_loops(*args)
         for g, w in zip(got, want):
             assert g.keys() == w.keys()

@@ -339,14 +339,16 @@ def first_occurrence(ids: torch.Tensor) -> torch.Tensor:
     return first
 
 
-def dequant_pages(kv_cache, block_ids, k_cb, v_cb, layout: PageLayout, first=None):
+def dequant_pages(kv_cache, block_ids, k_cb, v_cb, layout: PageLayout, first=None,
+                  extra_tokens: int = 0):
     """``(k, v)``: the pages ``block_ids`` dequantized to ``k_cb``'s dtype in FlashAttention's
     paged layout ``[pages, B, Hkv, D]``. With ``first`` (first_occurrence of the block ids)
-    only the first entry of each block id is written, the others are left as they are."""
+    only the first entry of each block id is written, the others are left as they are;
+    pages for ``extra_tokens`` more tokens follow them, unwritten."""
     n = block_ids.numel()
     hkv, d = k_cb.shape[0], k_cb.shape[1] * k_cb.shape[3]
     b = layout.block_size
-    k = torch.empty((n, b, hkv, d), dtype=k_cb.dtype, device=k_cb.device)
+    k = torch.empty((n - (-extra_tokens // b), b, hkv, d), dtype=k_cb.dtype, device=k_cb.device)
     v = torch.empty_like(k)
     ids = block_ids.reshape(-1).contiguous()  # a column slice of a block table is strided
     if first is None:

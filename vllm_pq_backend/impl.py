@@ -74,7 +74,8 @@ class LayerState:
         # sized the KV cache), so that vLLM leaves room for them.
         pages = prefill_page_tokens(impl.max_model_len, impl.block_size)
         self.prefill_scratch = ops.prefill_scratch_bytes(pages, impl.num_kv_heads, self.d,
-                                                         self.layout, envs.VLLM_BATCH_INVARIANT)
+                                                         self.layout, self.window,
+                                                         envs.VLLM_BATCH_INVARIANT)
         sms = (torch.cuda.get_device_properties(device).multi_processor_count
                if torch.device(device).type == "cuda" else 1)
         self.decode_workspace = 4 * (self.d + 1) * ops.workspace_slots(

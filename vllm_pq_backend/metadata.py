@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import ClassVar
@@ -107,21 +108,17 @@ class PrefillPlan:
     fp_in_order: bool = False  # fp_src is 0, 1, ..: the chunk's rows as they are (no store)
     store_rows: torch.Tensor | None = None
     store_slots: torch.Tensor | None = None
-    code_rows: torch.Tensor | None = None  # query rows of the codes part (padded, see below)
-    code_q_rows: slice | None = None  # code_rows as a slice, where they are one run
-    code_real: torch.Tensor | None = None  # sliding window: which code_rows are real rows
-    code_cu_q: torch.Tensor | None = None
-    code_max_q: int = 0
-    code_len: torch.Tensor | None = None
-    code_req: torch.Tensor | None = None
-    code_table: torch.Tensor | None = None  # page_table[code_req]
-    code_out: torch.Tensor | None = None  # the real code_rows: the output rows merged
-    code_src: torch.Tensor | None = None  # their rows in the codes part's result
-    # batch-invariant mode, window > 0: each segment a request of its own whose last page is
-    # a copy of its page (group-local index seg_page) with the segment's keys written at
-    # fp_dst (rows of those copies flattened to tokens); seg_table/seg_end its pages/length
-    seg_page: torch.Tensor | None = None
+    code_out: torch.Tensor | None = None  # rows with a codes part (segments past position 0)
+    # Each segment an attention request of its own over W-token subpages (ops._segment_pages):
+    # its request's pages dequantized, then, from its first key's subpage (column seg_col),
+    # a subpage of its own numbered after the group's (the segments' in order) holding its
+    # full-precision keys at fp_dst (tokens of the subpages flattened; fp_pad: the rest of
+    # each such subpage, zeroed); seg_table [segments, pages * block_size // W] (built on the
+    # device from page_table, segment_table), seg_end each segment's key count.
+    seg_req: torch.Tensor | None = None
+    seg_col: torch.Tensor | None = None
     fp_dst: torch.Tensor | None = None
+    fp_pad: torch.Tensor | None = None
     seg_table: torch.Tensor | None = None
     seg_end: torch.Tensor | None = None
     # the codes part on codes_attention's kernel (few rows per group), else None: on
@@ -214,14 +211,10 @@ def plan_prefill(
     rows: list[int] | None,
     uploads: Uploads,
     batch_invariant: bool = False,
-    pad_codes: bool = False,
     codes_shape: CodesShape | None = None,
 ) -> PrefillPlan:
-    """``pad_codes`` (sliding-window layers): each segment's codes-part rows run on to the
-    segment's end with copies of its last row, so that every real row is exactly ``window``
-    after the position FlashAttention aligns it to (ops._prefill_fa). ``codes_shape``:
-    plan the codes part for codes_attention's kernel where it takes it. The integer
-    arrays go to ``uploads`` (their fields are set when it is sent)."""
+    """``codes_shape``: plan the codes part for codes_attention's kernel where it takes
+    it. The integer arrays go to ``uploads`` (their fields are set when it is sent)."""
     starts = (qsl - qsl[0]).astype(np.int64)
     q_lens = np.diff(starts)
     lens = seq_lens.astype(np.int64)
@@ -261,17 +254,10 @@ def plan_prefill(
     if window <= 0:
         return plan
     i32, i64 = _segments(starts, q_lens, lens, np.asarray(rows, dtype=np.int64), window,
-                         block_size, nb, batch_invariant, pad_codes)
-    # what ops.prefill would otherwise derive again in every layer
-    if not batch_invariant:  # (that mode reads no codes part: it merges nothing)
-        code_real = i64.get("code_real")
-        i64["code_out"] = i64["code_rows"] if code_real is None else i64["code_rows"][code_real]
-        i64["code_src"] = np.arange(len(i64["code_out"])) if code_real is None else code_real
-        plan.code_max_q = int(np.diff(i32["code_cu_q"]).max()) if len(i32["code_cu_q"]) > 1 else 0
-        cr = i64["code_rows"]
-        if len(cr) and np.array_equal(cr, np.arange(cr[0], cr[0] + len(cr))):
-            # one run of rows (a single uncached prompt): the queries are a view, no gather
-            plan.code_q_rows = slice(int(cr[0]), int(cr[0]) + len(cr))
+                         block_size, nb)
+    if plan.codes is not None:  # (the segments' own subpages serve the other path only)
+        for name in ("seg_req", "seg_col", "fp_dst", "fp_pad"):
+            del i64[name]
     for name, x in i32.items():
         uploads.put(plan, name, x, np.int32)
     for name, x in i64.items():
@@ -300,7 +286,7 @@ def _cum0(x) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(x)]).astype(np.int64)
 
 
-def _segments(starts, q_lens, lens, rows, window, block_size, nb, batch_invariant, pad_codes):
+def _segments(starts, q_lens, lens, rows, window, block_size, nb):
     """The window segments of each request's rows (layout.window_start): segment ``g0``
     holds positions ``[g0, g0 + W)``; its rows attend causally to its full-precision keys
     (this chunk's rows and, in the first, earlier steps' window store entries) and, when
@@ -320,54 +306,61 @@ def _segments(starts, q_lens, lens, rows, window, block_size, nb, batch_invarian
     fp_src = _runs(_pairs(total_q + _cum0(n_store)[:-1], tok0 + np.maximum(0, g0 - f)),
                    _pairs(n_store, e - a))
     last = np.maximum(first, ((lens - 1) // w) * w)  # rows that end in the window store
-    i32 = dict(seg_cu_q=_cum0(e - a), seg_cu_k=_cum0(e - g0))
+    c = g0 > 0  # segments with a codes part
+    own = (n * nb * (block_size // w) + np.arange(len(g0))) * w  # their subpages' first tokens
+    i32 = dict(seg_cu_q=_cum0(e - a), seg_cu_k=_cum0(e - g0), seg_end=e)
     i64 = dict(fp_src=fp_src, store_rows=np.repeat(rows[req], n_store),
                store_slots=_runs(g0 % w, n_store),
                win_tokens=_runs(starts[:-1] + last - first, lens - last),
-               win_rows=np.repeat(rows, lens - last), win_slots=_runs(last, lens - last) % w)
-    if not batch_invariant:  # the codes part, merged into the segments' rows (ops._prefill_fa)
-        c = g0 > 0  # segments with a codes part
-        real = (e - a)[c]
-        pad = (g0 + w - e)[c] if pad_codes else np.zeros_like(real)
-        code_q = _cum0(real + pad)
-        code_rows = _runs(_pairs((tok0 + a - f)[c], (tok0 + e - 1 - f)[c]), _pairs(real, pad),
-                          _pairs(np.ones_like(real), 0))  # the real rows, then copies of the last
-        i32.update(code_cu_q=code_q, code_len=g0[c])
-        i64.update(code_rows=code_rows, code_req=req[c])
-        if pad_codes:
-            i64.update(code_real=_runs(code_q[:-1], real))
-    else:
-        pages = req * nb + g0 // block_size
-        table = np.arange(n * nb).reshape(n, nb)[req]  # the request's pages, its segment's page
-        table[np.arange(len(pages)), pages % nb] = n * nb + np.arange(len(pages))  # -> copy
-        i32.update(seg_table=table, seg_end=e)
-        i64.update(seg_page=pages, fp_dst=_runs(np.arange(len(pages)) * block_size + g0 % block_size, e - g0))
+               win_rows=np.repeat(rows, lens - last), win_slots=_runs(last, lens - last) % w,
+               code_out=_runs((tok0 + a - f)[c], (e - a)[c]),
+               seg_req=req, seg_col=g0 // w, fp_dst=_runs(own, e - g0),
+               fp_pad=_runs(own + e - g0, g0 + w - e))
     return i32, i64
 
 
+def segment_table(page_table: torch.Tensor, seg_req: torch.Tensor, seg_col: torch.Tensor,
+                  sub: int) -> torch.Tensor:
+    """int32 ``[segments, pages * sub]``: each segment's request's rows of ``page_table``
+    as subpages (``sub`` per page), its own subpage (numbered after the group's, the
+    segments' in order) at column ``seg_col`` (PrefillPlan.seg_table)."""
+    ar = functools.partial(torch.arange, dtype=torch.int32, device=page_table.device)
+    table = (page_table[seg_req].unsqueeze(-1) * sub + ar(sub)).flatten(1)
+    n = seg_req.numel()
+    table[ar(n).long(), seg_col] = page_table.numel() * sub + ar(n)
+    return table
+
+
 def plan_prefills(qsl, seq_lens, block_table, block_size, window, rows, device, page_tokens,
-                  batch_invariant=False, pad_codes=False, codes_shape=None):
+                  batch_invariant=False, codes_shape=None):
     """Prefill requests split into consecutive groups whose dequantized pages (padded to
-    the group's longest history) stay within ``page_tokens``; one plan per group."""
+    the group's longest history) stay within ``page_tokens``, and so do their segments'
+    own subpages (ops._segment_pages); one plan per group."""
     plans, i, n = [], 0, len(seq_lens)
     uploads = Uploads()
-    blocks = -(-seq_lens.astype(np.int64) // block_size)
+    lens = seq_lens.astype(np.int64)
+    blocks = -(-lens // block_size)
+    sub_tokens = np.zeros_like(lens)
+    if window > 0:  # W per segment, from the window start of each request's first row
+        ws = (lens - np.diff(qsl)) // window * window
+        sub_tokens = -(-(lens - ws) // window) * window
     while i < n:
-        j, widest = i + 1, blocks[i]
-        while j < n and (j + 1 - i) * max(widest, blocks[j]) * block_size <= page_tokens:
-            widest = max(widest, blocks[j])
+        j, widest, subs = i + 1, blocks[i], sub_tokens[i]
+        while (j < n and (j + 1 - i) * max(widest, blocks[j]) * block_size <= page_tokens
+               and subs + sub_tokens[j] <= page_tokens):
+            widest, subs = max(widest, blocks[j]), subs + sub_tokens[j]
             j += 1
         p = plan_prefill(qsl[i : j + 1], seq_lens[i:j], block_table[i:j], block_size, window,
                          rows[i:j] if rows is not None else None, uploads, batch_invariant,
-                         pad_codes, codes_shape)
+                         codes_shape)
         p.tok_start, p.tok_end = int(qsl[i] - qsl[0]), int(qsl[j] - qsl[0])
         p.req_start, p.req_end = i, j
         plans.append(p)
         i = j
     uploads.send(device)
     for p in plans:
-        if p.code_req is not None and p.codes is None:  # the codes part's FlashAttention table
-            p.code_table = p.page_table[p.code_req]
+        if p.seg_req is not None:
+            p.seg_table = segment_table(p.page_table, p.seg_req, p.seg_col, block_size // window)
     return plans
 
 
@@ -404,9 +397,6 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
         cfg = PQConfig.from_sources(vllm_config.additional_config, model)
         self.block_size = kv_cache_spec.block_size
         self.window = cfg.resolve_window(self.block_size)
-        # A sliding-window group (or, without vLLM's hybrid KV cache manager, one group of
-        # all layers whose spec carries the window): its layers need padded codes rows.
-        self.sliding = getattr(kv_cache_spec, "sliding_window", None) is not None
         sched = vllm_config.scheduler_config
         self._sched = sched
         max_len = vllm_config.model_config.max_model_len if vllm_config.model_config else 0
@@ -502,7 +492,6 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
                 self.device,
                 self.prefill_page_tokens,
                 self.batch_invariant,
-                self.sliding,
                 None if self.batch_invariant else self.codes_shape,
             )
         return PQMetadata(

@@ -210,14 +210,17 @@ def prefill(out, query, key, value, kv_cache, md, state, scale: float) -> None:
 
 
 def prefill_scratch_bytes(page_tokens: int, num_kv_heads: int, head_dim: int,
-                          layout: PageLayout, batch_invariant: bool) -> int:
+                          layout: PageLayout, window: int, batch_invariant: bool) -> int:
     """Peak transient bytes of one prefill group's dequantized pages
-    (codes_attention.dequant_pages): K and V in 16 bits, and a code byte's margin.
-    Batch-invariant mode keeps the larger allowance it had with the PyTorch gather, which
-    also covers its copies of segment pages and their concatenation
-    (_prefill_batch_invariant)."""
+    (codes_attention.dequant_pages): K and V in 16 bits, and a code byte's margin; with a
+    window as much again for the segments' own subpages (_segment_pages, bounded by
+    metadata.plan_prefills). Batch-invariant mode keeps the larger allowance it had with
+    the PyTorch gather."""
     codes = layout.m_k + layout.m_v
-    per_head = 9 * codes + 8 * head_dim if batch_invariant else 4 * head_dim + codes
+    if batch_invariant:
+        per_head = 9 * codes + 8 * head_dim
+    else:
+        per_head = (8 if window > 0 else 4) * head_dim + codes
     return page_tokens * num_kv_heads * per_head
 
 
@@ -249,74 +252,76 @@ def _codes_part(p, q, kv_cache, state, scale):
     )
 
 
+def _segment_pages(p, k, v, kv_cache, state):
+    """``(k, v)`` in W-token subpages (PrefillPlan.seg_table indexes them): the group's
+    pages dequantized (shared pages once, ``p.page_first``), then a subpage per segment
+    with its full-precision keys and zeros after them. Each segment is then one causal
+    request over its history's codes and its own keys, so the codes / full-precision split
+    of layout.window_start needs no second attention call and no LSE merge. (FlashAttention
+    reads the whole last subpage and would carry a NaN of unwritten memory into the output
+    through 0 * NaN: hence the zeros.) Pages of a sliding-window layer older than its
+    window may be freed (stale block ids): dequantizing them reads other blocks' codes,
+    which the window then masks."""
+    w = state.window
+    kp, vp = codes_attention.dequant_pages(kv_cache, p.block_ids, state.k_cb, state.v_cb,
+                                           state.layout, first=p.page_first,
+                                           extra_tokens=p.seg_end.numel() * w)
+    seg_k, seg_v = _segment_keys(p, k, v, state)
+    for pages, keys in ((kp, seg_k), (vp, seg_v)):
+        rows = pages.view(-1, *pages.shape[2:])
+        rows[p.fp_dst] = keys
+        rows.index_fill_(0, p.fp_pad, 0)
+    return tuple(x.view(-1, w, *x.shape[2:]) for x in (kp, vp))
+
+
 def _prefill_fa(fa, p, out, q, k, v, kv_cache, state, scale) -> None:
-    """Prefill with FlashAttention for the full-precision part and, for the codes part,
-    codes_attention's kernel where the plan chose it (few rows next to the history they
-    read), else FlashAttention over the group's dequantized pages."""
+    """Prefill with FlashAttention: over the group's dequantized pages and, with a window,
+    each segment's own full-precision keys (_segment_pages); where the plan chose
+    codes_attention's kernel for the codes part (few rows next to the history they read),
+    FlashAttention for the segments' full-precision keys alone and an LSE merge."""
     varlen, fa_version = fa
     version = fa_version(head_size=q.shape[-1])
-    # Pages of a sliding-window layer older than its window may be freed (stale block
-    # ids): dequantizing them reads other blocks' codes, which the window then masks.
-    kp = vp = None
     if p.codes is None:
-        kp, vp = codes_attention.dequant_pages(kv_cache, p.block_ids, state.k_cb, state.v_cb,
-                                               state.layout, first=p.page_first)
-    if p.seg_cu_q is None:  # window 0: every key through its codes, causal
-        if p.codes is not None:
-            out.copy_(_codes_part(p, q, kv_cache, state, scale)[0])
-            return
+        if p.seg_cu_q is None:  # window 0: every key through its codes
+            kp, vp = codes_attention.dequant_pages(kv_cache, p.block_ids, state.k_cb,
+                                                   state.v_cb, state.layout, first=p.page_first)
+            cu_q, max_q, used, table = p.cu_q, p.max_q, p.seq_lens, p.page_table
+        else:
+            kp, vp = _segment_pages(p, k, v, kv_cache, state)
+            cu_q, max_q, used, table = p.seg_cu_q, p.seg_max_q, p.seg_end, p.seg_table
         varlen(
-            q=q, k=kp, v=vp, out=out, cu_seqlens_q=p.cu_q, max_seqlen_q=p.max_q,
-            seqused_k=p.seq_lens, max_seqlen_k=p.max_k, softmax_scale=scale, causal=True,
-            block_table=p.page_table, window_size=_causal_window(state), fa_version=version,
+            q=q, k=kp, v=vp, out=out, cu_seqlens_q=cu_q, max_seqlen_q=max_q, seqused_k=used,
+            max_seqlen_k=p.max_k, softmax_scale=scale, causal=True, block_table=table,
+            window_size=_causal_window(state), fa_version=version,
         )
         return
-    # Segment part: each segment attends causally to its own tokens at full precision
-    # (all within W < sliding window of each other).
+    if p.seg_cu_q is None:
+        out.copy_(_codes_part(p, q, kv_cache, state, scale)[0])
+        return
+    # Each segment attends causally to its own tokens at full precision (all within
+    # W < sliding window of each other), then the codes part is merged in.
     seg_k, seg_v = _segment_keys(p, k, v, state)
     _, lse_fp = varlen(
         q=q, k=seg_k, v=seg_v, out=out, cu_seqlens_q=p.seg_cu_q, max_seqlen_q=p.seg_max_q,
         cu_seqlens_k=p.seg_cu_k, max_seqlen_k=p.seg_max_k, softmax_scale=scale, causal=True,
         return_softmax_lse=True, fa_version=version,
     )
-    if p.code_rows.numel() == 0:
-        return
-    if p.codes is not None:
-        o_c, lse_c = _codes_part(p, q, kv_cache, state, scale)
-        c_rows = p.code_out  # the kernel's results cover every row of the group
-    else:
-        # Codes part: every query of a segment sees all keys before the segment start. On
-        # a sliding-window layer query i sees keys j > i - sw only: FlashAttention aligns
-        # query rows to the keys' end, so the plan pads each segment's rows to a whole
-        # window (p.code_real marks the real ones) and every row sits exactly W after its
-        # aligned position; (sw - 1 - W, unbounded) is then the window in absolute positions.
-        sw = state.sliding_window
-        code_q = q[p.code_q_rows] if p.code_q_rows is not None else q[p.code_rows]
-        o_c, lse_c = varlen(
-            q=code_q, k=kp, v=vp, cu_seqlens_q=p.code_cu_q, max_seqlen_q=p.code_max_q,
-            seqused_k=p.code_len, max_seqlen_k=p.max_k, softmax_scale=scale, causal=False,
-            window_size=(sw - 1 - state.window, -1) if sw > 0 else (-1, -1),
-            block_table=p.code_table, return_softmax_lse=True, fa_version=version,
-        )
-        c_rows = p.code_src
-    codes_attention.merge_rows(out, lse_fp, p.code_out, o_c, lse_c, c_rows)
+    if p.code_out.numel():
+        o_c, lse_c = _codes_part(p, q, kv_cache, state, scale)  # every row of the group
+        codes_attention.merge_rows(out, lse_fp, p.code_out, o_c, lse_c, p.code_out)
 
 
 def _prefill_batch_invariant(attn, p, out, q, k, v, kv_cache, state, scale) -> None:
     """One causal call of vLLM's unified Triton attention, whose per-row arithmetic (fixed
     tiles from key position 0, no splits under VLLM_BATCH_INVARIANT) depends on nothing
-    else in the batch. With a window, each segment is a request of its own: the history's
-    dequantized pages before the segment's page, then a copy of that page whose tokens from
-    the segment start on are the segment's full-precision keys (W divides the page), so
-    the codes/full-precision split of layout.window_start needs no LSE merge."""
-    kp, vp = codes_attention.dequant_pages(kv_cache, p.block_ids, state.k_cb, state.v_cb,
-                                           state.layout)
+    else in the batch; with a window, each segment is a request of its own
+    (_segment_pages)."""
     if p.seg_cu_q is None:
+        kp, vp = codes_attention.dequant_pages(kv_cache, p.block_ids, state.k_cb, state.v_cb,
+                                               state.layout)
         cu_q, max_q, used, table = p.cu_q, p.max_q, p.seq_lens, p.page_table
     else:
-        fk, fv = kp[p.seg_page], vp[p.seg_page]  # copies
-        fk.flatten(0, 1)[p.fp_dst], fv.flatten(0, 1)[p.fp_dst] = _segment_keys(p, k, v, state)
-        kp, vp = torch.cat([kp, fk]), torch.cat([vp, fv])
+        kp, vp = _segment_pages(p, k, v, kv_cache, state)
         cu_q, max_q, used, table = p.seg_cu_q, p.seg_max_q, p.seg_end, p.seg_table
     one = torch.ones(1, dtype=torch.float32, device=q.device).expand(used.numel(), kp.shape[2])
     attn(

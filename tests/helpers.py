@@ -306,7 +306,7 @@ def plan_segments_loops(starts, q_lens, lens, rows, window, block_size, nb):
     n = len(lens)
     total_q = int(starts[-1])
     seg_q, seg_k, fp_src, st_rows, st_slots, code_out = [0], [0], [], [], [], []
-    seg_req, seg_col, fp_dst, fp_pad, seg_end = [], [], [], [], []
+    seg_req, seg_col, fp_at, seg_end = [], [], [], []
     win_tok, win_rows, win_slots = [], [], []
     for i in range(n):
         length, first, tok0 = int(lens[i]), int(lens[i] - q_lens[i]), int(starts[i])
@@ -321,10 +321,10 @@ def plan_segments_loops(starts, q_lens, lens, rows, window, block_size, nb):
             seg_k.append(seg_k[-1] + e - g0)
             if g0 > 0:
                 code_out.extend(range(tok0 + a - first, tok0 + e - first))
-            # the segment's own subpage follows the group's n * nb * B / W
-            own = (n * nb * block_size // window + len(seg_req)) * window
-            fp_dst.extend(range(own, own + e - g0))
-            fp_pad.extend(range(own + e - g0, own + window))
+            # the segment's own subpage: its keys (numbered as in fp_src), then none
+            first_key = seg_k[-2]
+            fp_at.extend(range(first_key, first_key + e - g0))
+            fp_at.extend([-1] * (g0 + window - e))
             seg_req.append(i)
             seg_col.append(g0 // window)
             seg_end.append(e)
@@ -335,5 +335,5 @@ def plan_segments_loops(starts, q_lens, lens, rows, window, block_size, nb):
     i32 = dict(seg_cu_q=seg_q, seg_cu_k=seg_k, seg_end=seg_end)
     i64 = dict(fp_src=fp_src, store_rows=st_rows, store_slots=st_slots, win_tokens=win_tok,
                win_rows=win_rows, win_slots=win_slots, code_out=code_out, seg_req=seg_req,
-               seg_col=seg_col, fp_dst=fp_dst, fp_pad=fp_pad)
+               seg_col=seg_col, fp_at=fp_at)
     return i32, i64

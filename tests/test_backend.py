@@ -385,11 +385,10 @@ def test_segment_plan_makes_each_segment_a_request():
         assert p.seg_cu_q.tolist() == [0, 1, 13, 45, 51]
         assert p.seg_end.tolist() == [40, 32, 64, 70]
         assert p.seg_table.tolist() == [[0, 8, 2, 3], [9, 5, 6, 7], [4, 10, 6, 7], [4, 5, 11, 7]]
-        # keys of segment s at tokens (8 + s) * 32 + position - g0 of the subpages, zeros after
-        assert p.fp_dst.tolist() == [*range(256, 264), *range(288, 320), *range(320, 352),
-                                     *range(352, 358)]
-        assert p.fp_pad.tolist() == [*range(264, 288), *range(358, 384)]
-        assert p.seg_cu_k.tolist() == [0, 8, 40, 72, 78]  # one key per fp_dst entry
+        # segment s's subpage (8 + s): its keys in fp_src's order, then -1 (zeros)
+        assert p.fp_at.tolist() == [*range(8), *[-1] * 24, *range(8, 72), *range(72, 78),
+                                    *[-1] * 26]
+        assert p.seg_cu_k.tolist() == [0, 8, 40, 72, 78]
         assert p.fp_src.numel() == 78
     # two requests on the same two pages: the second's subpages are the first's
     shared = torch.tensor([[0, 1], [0, 1]], dtype=torch.int32)

@@ -201,6 +201,32 @@ def test_dequant_pages_matches_reference(ca, d, mk, mv, block, dtype):
     torch.testing.assert_close(v, want_v.view(3, -1, *v.shape[1:])[:, 0], **same)
 
 
+@pytest.mark.parametrize("hkv,d", [(3, 64), (8, 128), (2, 256)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_own_subpages_copies_keys_and_zeros_the_rest(ca, hkv, d, dtype):
+    """The segments' own subpages (ops._segment_pages): row ``first + i`` holds row
+    ``at[i]`` of the keys and values (rows of a wider tensor, as vLLM's K/V views of its
+    qkv output are), zeros where ``at[i] < 0``, even over NaN garbage; the rows before
+    ``first`` untouched."""
+    gen = torch.Generator().manual_seed(hkv + d)
+    n_keys, first, n = 23, 5, 45
+    qkv = torch.randn(n_keys, 3, hkv, d, generator=gen).to(dtype)
+    keys, values = qkv[:, 1], qkv[:, 2]  # row stride 3 * hkv * d
+    at = torch.full((n,), -1, dtype=torch.long)
+    at[torch.randperm(n, generator=gen)[:n_keys]] = torch.randperm(n_keys, generator=gen)
+    k = torch.full((first + n, hkv, d), float("nan"), dtype=dtype)
+    v = k.clone()
+    got_k, got_v = k.to(DEV), v.to(DEV)
+    ca.own_subpages(got_k, got_v, first, keys.to(DEV), values.to(DEV), at.to(DEV))
+    want_k, want_v = k.clone(), v.clone()
+    for i, j in enumerate(at.tolist()):
+        want_k[first + i] = keys[j] if j >= 0 else 0
+        want_v[first + i] = values[j] if j >= 0 else 0
+    same = dict(rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(got_k.cpu(), want_k, **same)
+    torch.testing.assert_close(got_v.cpu(), want_v, **same)
+
+
 @pytest.mark.parametrize("hq,d", [(4, 64), (12, 128), (32, 128)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_merge_rows_matches_reference(ca, hq, d, dtype):

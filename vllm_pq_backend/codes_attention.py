@@ -365,6 +365,46 @@ def dequant_pages(kv_cache, block_ids, k_cb, v_cb, layout: PageLayout, first=Non
     return k, v
 
 
+# The segments' own subpages (ops._segment_pages): one program per ROWS rows of them, each
+# row a key of the segment (its K and V rows copied) or past the segment's keys (zeros).
+# index_put_ and index_fill_ took 93 us a layer for 16K rows on an H200, at 0.7 TB/s.
+OWN_ROWS = 4
+
+
+@triton.jit
+def _own_subpages_kernel(
+    k_ptr, v_ptr, first,  # [*, Hkv, D] contiguous: rows first.. are the subpages
+    sk_ptr, sk_row, sk_head, sv_ptr, sv_row, sv_head,  # [keys, Hkv, D] the segments' keys
+    at_ptr, n,  # [n] each subpage row's key, or -1
+    HKV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+):
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    live = r < n
+    src = tl.load(at_ptr + r, mask=live, other=-1).to(tl.int64)[:, None]
+    e = tl.arange(0, BLOCK)[None, :]
+    in_row = e < HKV * HEAD_DIM
+    h, d = e // HEAD_DIM, e % HEAD_DIM
+    m = (src >= 0) & in_row
+    kx = tl.load(sk_ptr + src * sk_row + h * sk_head + d, mask=m, other=0.0)
+    vx = tl.load(sv_ptr + src * sv_row + h * sv_head + d, mask=m, other=0.0)
+    dst = (first + r.to(tl.int64))[:, None] * (HKV * HEAD_DIM) + e
+    tl.store(k_ptr + dst, kx, mask=live[:, None] & in_row)
+    tl.store(v_ptr + dst, vx, mask=live[:, None] & in_row)
+
+
+def own_subpages(k, v, first: int, keys, values, at) -> None:
+    """Rows ``first + i`` of ``k`` / ``v`` (contiguous ``[*, Hkv, D]``): row ``at[i]`` of
+    ``keys`` / ``values`` (``[n, Hkv, D]``, any row stride), zeros where ``at[i] < 0``."""
+    n = at.numel()
+    hkv, d = k.shape[-2], k.shape[-1]
+    if n:
+        _own_subpages_kernel[(triton.cdiv(n, OWN_ROWS),)](
+            k, v, first, keys, keys.stride(0), keys.stride(1), values, values.stride(0),
+            values.stride(1), at, n, HKV=hkv, HEAD_DIM=d,
+            BLOCK=triton.next_power_of_2(hkv * d), ROWS=OWN_ROWS,
+        )
+
+
 # Prefill with a window merges two partial results per codes-reading row: the segment's
 # full-precision part (already in the output) and the codes part. One program per (row,
 # block of heads) reads both once and writes the row in place (in PyTorch the same merge

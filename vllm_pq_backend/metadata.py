@@ -111,14 +111,13 @@ class PrefillPlan:
     code_out: torch.Tensor | None = None  # rows with a codes part (segments past position 0)
     # Each segment an attention request of its own over W-token subpages (ops._segment_pages):
     # its request's pages dequantized, then, from its first key's subpage (column seg_col),
-    # a subpage of its own numbered after the group's (the segments' in order) holding its
-    # full-precision keys at fp_dst (tokens of the subpages flattened; fp_pad: the rest of
-    # each such subpage, zeroed); seg_table [segments, pages * block_size // W] (built on the
-    # device from page_table, segment_table), seg_end each segment's key count.
+    # a subpage of its own numbered after the group's (the segments' in order); fp_at: for
+    # each row of those subpages, its key (in the order of the segments' keys, fp_src) or
+    # -1 (zeros); seg_table [segments, pages * block_size // W] (built on the device from
+    # page_table, segment_table), seg_end each segment's key count.
     seg_req: torch.Tensor | None = None
     seg_col: torch.Tensor | None = None
-    fp_dst: torch.Tensor | None = None
-    fp_pad: torch.Tensor | None = None
+    fp_at: torch.Tensor | None = None
     seg_table: torch.Tensor | None = None
     seg_end: torch.Tensor | None = None
     # the codes part on codes_attention's kernel (few rows per group), else None: on
@@ -256,7 +255,7 @@ def plan_prefill(
     i32, i64 = _segments(starts, q_lens, lens, np.asarray(rows, dtype=np.int64), window,
                          block_size, nb)
     if plan.codes is not None:  # (the segments' own subpages serve the other path only)
-        for name in ("seg_req", "seg_col", "fp_dst", "fp_pad"):
+        for name in ("seg_req", "seg_col", "fp_at"):
             del i64[name]
     for name, x in i32.items():
         uploads.put(plan, name, x, np.int32)
@@ -307,15 +306,15 @@ def _segments(starts, q_lens, lens, rows, window, block_size, nb):
                    _pairs(n_store, e - a))
     last = np.maximum(first, ((lens - 1) // w) * w)  # rows that end in the window store
     c = g0 > 0  # segments with a codes part
-    own = (n * nb * (block_size // w) + np.arange(len(g0))) * w  # their subpages' first tokens
+    fp_at = np.full(len(g0) * w, -1, dtype=np.int64)  # segment s's subpage: rows s*W ..
+    fp_at[_runs(np.arange(len(g0)) * w, e - g0)] = np.arange(len(fp_src))
     i32 = dict(seg_cu_q=_cum0(e - a), seg_cu_k=_cum0(e - g0), seg_end=e)
     i64 = dict(fp_src=fp_src, store_rows=np.repeat(rows[req], n_store),
                store_slots=_runs(g0 % w, n_store),
                win_tokens=_runs(starts[:-1] + last - first, lens - last),
                win_rows=np.repeat(rows, lens - last), win_slots=_runs(last, lens - last) % w,
                code_out=_runs((tok0 + a - f)[c], (e - a)[c]),
-               seg_req=req, seg_col=g0 // w, fp_dst=_runs(own, e - g0),
-               fp_pad=_runs(own + e - g0, g0 + w - e))
+               seg_req=req, seg_col=g0 // w, fp_at=fp_at)
     return i32, i64
 
 

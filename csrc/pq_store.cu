@@ -95,26 +95,27 @@ int tile_ctas(Kernel kernel, int smem, int tiles, int combos) {
   return max(1, min(tiles, sms * max(per_sm, 1) / max(combos, 1)));
 }
 
-// Whether none of a head vector's n elements is a NaN or an infinity (exponent bits all
-// ones). 16-byte loads where the row is aligned, as vLLM's K/V views of its qkv tensor are:
-// the lane of subspace 0 reads whole vectors, and element loads made it the slowest lane.
+// Whether any of pieces first, first + step, ... of a head vector (head_dim elements) holds
+// a NaN or an infinity (exponent bits all ones): a piece is 16 bytes where the row is
+// aligned, as vLLM's K/V views of its qkv tensor are (element loads made the lane that
+// checks a whole vector the slowest one), an element otherwise.
 template <typename T>
-__device__ __forceinline__ bool all_finite(const T* x, int n) {
+__device__ __forceinline__ bool any_nonfinite(const T* row, int head_dim, int first, int step) {
   constexpr uint32_t e = std::is_same_v<T, __half> ? 0x7c00u : 0x7f80u;
-  bool finite = true;  // & not &&: the loads need not wait for each other
-  if ((reinterpret_cast<uintptr_t>(x) & 15) == 0 && n % 8 == 0) {
-    const uint4* v = reinterpret_cast<const uint4*>(x);
+  bool bad = false;  // | not ||: the loads need not wait for each other
+  if ((reinterpret_cast<uintptr_t>(row) & 15) == 0 && head_dim % 8 == 0) {
+    const uint4* v = reinterpret_cast<const uint4*>(row);
 #pragma unroll 4
-    for (int i = 0; i < n / 8; ++i) {
-      const uint4 w = v[i];
+    for (int p = first; p < head_dim / 8; p += step) {
+      const uint4 w = v[p];
       const uint32_t u[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
-      for (int j = 0; j < 4; ++j) finite &= (u[j] & e) != e & (u[j] & e << 16) != e << 16;
+      for (int j = 0; j < 4; ++j) bad |= (u[j] & e) == e | (u[j] & e << 16) == e << 16;
     }
   } else {
-    for (int i = 0; i < n; ++i) finite &= isfinite(Elem<T>::to_float(x[i]));
+    for (int p = first; p < head_dim; p += step) bad |= !isfinite(Elem<T>::to_float(row[p]));
   }
-  return finite;
+  return bad;
 }
 
 // The byte of code `m` of the token in `slot`.
@@ -135,7 +136,7 @@ __device__ __forceinline__ const T* head_row(const KVRows& kv, bool is_v, int64_
 // subspace 0 of a vector with one non-finite element marks the token.
 template <typename T>
 __device__ __forceinline__ bool nan_marked(const T* row, int m, int head_dim) {
-  return m == 0 && !all_finite(row, head_dim);
+  return m == 0 && any_nonfinite(row, head_dim, 0, 1);
 }
 
 // Code `m` of the token in `slot` goes into its page (nan_code where nan_marked).
@@ -150,6 +151,7 @@ __device__ __forceinline__ void write_code(const StoreArgs& a, bool is_v, int he
 // centroid), whatever the cells, list entries and codes.
 constexpr int kGridSubs = 16;
 constexpr int kGridTile = 64;  // tokens of a grid-search tile: 4 pairs a warp
+constexpr int kGridPad = 4;    // bytes after each staged record (SharedRecord::bytes4 reads a word past it)
 
 // 2-D centroids staged interleaved in shared memory, |c|^2 / 2 computed as staging computes
 // it for the full search (the same bits) ...
@@ -198,6 +200,13 @@ struct GlobalRecord {
   }
   __device__ __forceinline__ int byte(int i) const { return p[i]; }
   __device__ __forceinline__ int u16(int i) const { return *reinterpret_cast<const uint16_t*>(p + i); }
+  // bytes i .. i + 3 (little-endian; those past `last` repeat it: the record may end there)
+  __device__ __forceinline__ uint32_t bytes4(int i, int last) const {
+    uint32_t b = 0;
+#pragma unroll
+    for (int u = 0; u < 4; ++u) b |= (uint32_t)p[min(i + u, last)] << (8 * u);
+    return b;
+  }
 };
 
 // ... or staged interleaved in shared memory (kGridSubs).
@@ -211,13 +220,19 @@ struct SharedRecord {
   }
   __device__ __forceinline__ int byte(int i) const { return (word(i) >> (8 * (i & 3))) & 0xff; }
   __device__ __forceinline__ int u16(int i) const { return (word(i) >> (8 * (i & 3))) & 0xffff; }  // i even
+  // bytes i .. i + 3 (little-endian), from two words and a funnel shift (the staged records
+  // have a word of padding after them, kGridPad)
+  __device__ __forceinline__ uint32_t bytes4(int i, int) const {
+    return __funnelshift_r(word(i), word(i + 4), 8 * (i & 3));
+  }
 };
 
 // The code of (x0, x1): the listed centroids of its cell, or all 256 outside the record's
-// box. The list is walked 4 entries at a time, their centroids loaded before any is
-// scored, so that a decode-sized store waits for one round of loads per 4 entries rather
-// than per entry; past the list's end the last entry repeats, which never wins a strict
-// compare, so the first minimum in index order still wins.
+// box. The list is walked 4 entries at a time: their 4 bytes in one word, their centroids
+// loaded before any is scored, so that a decode-sized store waits for one round of loads
+// per 4 entries rather than per entry; past the list's end the last entry repeats, which
+// never wins a strict compare, so the first minimum in index order still wins. (A byte
+// load and a clamped index per entry took 23 instructions an entry against 14.)
 template <typename Centroids, typename Record>
 __device__ __forceinline__ int grid_code(float x0, float x1, const Centroids& cs, const Record& rec,
                                          const GridHeader& h) {
@@ -230,10 +245,15 @@ __device__ __forceinline__ int grid_code(float x0, float x1, const Centroids& cs
     const int cell = rec.byte(bins + (int)fx) * h.sec(4) + rec.byte(bins + fine + (int)fy);
     const int lo = rec.u16(offs + 2 * cell), hi = rec.u16(offs + 2 * cell + 2);
     for (int j = lo; j < hi; j += 4) {
+      // the round's bytes, the last listed one repeated past the list's end (byte-permute
+      // selectors 0000, 1110, 2210, 3210 for 1 .. 4 entries left)
+      const int left = min(hi - j, 4);
+      const uint32_t ks = __byte_perm(rec.bytes4(list + j, list + hi - 1), 0,
+                                      (uint32_t)(0x3210221011100000ull >> (16 * (left - 1))) & 0xffffu);
       int k[4];
       float3 c[4];
 #pragma unroll
-      for (int u = 0; u < 4; ++u) k[u] = rec.byte(list + min(j + u, hi - 1));
+      for (int u = 0; u < 4; ++u) k[u] = __byte_perm(ks, 0, 0x4440 + u);
 #pragma unroll
       for (int u = 0; u < 4; ++u) c[u] = cs[k[u]];
 #pragma unroll
@@ -243,26 +263,6 @@ __device__ __forceinline__ int grid_code(float x0, float x1, const Centroids& cs
     for (int k = 0; k < kCentroids; ++k) try_centroid(x0, x1, cs[k], k, best, code);
   }
   return code;
-}
-
-// Whether any element of a head vector (head_dim elements) is a NaN or an infinity, by the
-// 16 lanes of one half-warp (lane i of 16 checks pieces i, i + 16, ...; every lane of the
-// warp must call it: the result comes by ballot). half: which half-warp's vector to answer for.
-template <typename T>
-__device__ __forceinline__ bool half_warp_nonfinite(const T* row, int head_dim, int i, int half) {
-  constexpr uint32_t e = std::is_same_v<T, __half> ? 0x7c00u : 0x7f80u;
-  bool bad = false;
-  if ((reinterpret_cast<uintptr_t>(row) & 15) == 0 && (head_dim * (int)sizeof(T)) % 16 == 0) {
-    for (int p = i; p < head_dim * (int)sizeof(T) / 16; p += 16) {
-      const uint4 w = reinterpret_cast<const uint4*>(row)[p];
-      const uint32_t u[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-      for (int j = 0; j < 4; ++j) bad |= (u[j] & e) == e | (u[j] & e << 16) == e << 16;
-    }
-  } else {
-    for (int p = i; p < head_dim; p += 16) bad |= !isfinite(Elem<T>::to_float(row[p]));
-  }
-  return (__ballot_sync(0xffffffffu, bad) >> (16 * half)) & 0xffffu;
 }
 
 // Large stores of 2-D subspaces with grid records. A CTA stages kGridSubs subspaces of one
@@ -277,7 +277,7 @@ __device__ __forceinline__ bool half_warp_nonfinite(const T* row, int head_dim, 
 // its tokens likely made that warp the last of a CTA that walks several tiles:
 // eval/results/store_grid16_bc1f1dc/first_attempt_h200/).
 template <typename T>
-__global__ void __launch_bounds__(kStoreThreads) store_grid_kernel(StoreArgs a, int first_part, int groups) {
+__global__ void __launch_bounds__(kStoreThreads, 3) store_grid_kernel(StoreArgs a, int first_part, int groups) {
   constexpr int kTile = kGridTile, kPairs = kTile / 2 / (kStoreThreads / 32);  // a warp's token pairs per tile
   // [256][kGridSubs] float2 centroids, then [record words][kGridSubs] records
   extern __shared__ __align__(16) float cb_smem[];
@@ -307,7 +307,10 @@ __global__ void __launch_bounds__(kStoreThreads) store_grid_kernel(StoreArgs a, 
       const T* row = head_row<T>(a.kv, is_v, tt, head, a.head_dim);
       x0[i] = Elem<T>::to_float(row[2 * m]);
       x1[i] = Elem<T>::to_float(row[2 * m + 1]);
-      nan[i] = m0 == 0 && half_warp_nonfinite(row, a.head_dim, sub, half) && sub == 0;
+      // the 16 lanes of a half-warp check its token's vector (m0 is the same in the warp)
+      nan[i] = m0 == 0 &&
+               (__ballot_sync(0xffffffffu, any_nonfinite(row, a.head_dim, sub, kGridSubs)) >> (16 * half) & 0xffffu) &&
+               sub == 0;
     }
   };
   if ((int)blockIdx.x < tiles) load(blockIdx.x);  // in flight while the group is staged
@@ -457,7 +460,7 @@ template <typename T>
 cudaError_t launch_store_grid(const StoreArgs& a, int first_part, int parts, int m, cudaStream_t stream) {
   auto kernel = store_grid_kernel<T>;
   const int rec = max(first_part == 0 ? a.k_grid_bytes : 0, first_part + parts == 2 ? a.v_grid_bytes : 0);
-  const int smem = kGridSubs * (kCentroids * (int)sizeof(float2) + rec);
+  const int smem = kGridSubs * (kCentroids * (int)sizeof(float2) + rec + kGridPad);
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
   const int groups = ceil_div(m, kGridSubs), combos = a.num_kv_heads * parts * groups;

@@ -300,7 +300,7 @@ def varlen_sdpa(q, k, v, cu_seqlens_q, max_seqlen_q, softmax_scale, causal, max_
     return (o, lse) if return_softmax_lse else o
 
 
-def plan_segments_loops(starts, q_lens, lens, rows, window, block_size, nb):
+def plan_segments_loops(starts, q_lens, lens, rows, window):
     """The window segments of metadata.plan_prefill written as plain loops (its oracle):
     dicts of the int32 and int64 arrays it sets on the plan."""
     n = len(lens)

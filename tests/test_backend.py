@@ -586,29 +586,34 @@ def test_each_tensor_parallel_rank_loads_its_own_kv_heads(tmp_path, monkeypatch,
     assert torch.equal(st.maps["key"], tk_all[want])
 
 
-@pytest.mark.parametrize("window,block", [(32, 64), (64, 64), (32, 128), (128, 128)])
-def test_segment_plan_matches_the_plain_loops(window, block):
+@pytest.mark.parametrize("window", [32, 64, 128])
+def test_segment_plan_matches_the_plain_loops(window):
     """metadata._segments (numpy over all segments) gives the arrays of the plain loops
     (helpers.plan_segments_loops) on random chunks: fresh prompts, continuations, single
-    tokens, chunks that start and end inside windows."""
+    tokens, chunks that start and end inside windows; without subpages, the same less
+    the subpages' three arrays."""
     from helpers import plan_segments_loops
 
     from vllm_pq_backend.metadata import _segments
 
-    rng = np.random.default_rng(window + block)
+    rng = np.random.default_rng(window)
     for _ in range(30):
         n = int(rng.integers(1, 7))
         q_lens = rng.integers(1, 400, n)
         lens = q_lens + rng.choice([0, 1, 31, 32, 33, 500], n)
         starts = np.concatenate([[0], np.cumsum(q_lens)])
         rows = rng.permutation(64)[:n]
-        nb = int(-(-lens.max() // block))
-        args = (starts, q_lens, lens, rows, window, block, nb)
+        args = (starts, q_lens, lens, rows, window)
         got, want = _segments(*args), plan_segments_loops(*args)
         for g, w in zip(got, want):
             assert g.keys() == w.keys()
             for k in w:
                 assert np.array_equal(np.asarray(g[k]), np.asarray(w[k])), k
+        i32, i64 = _segments(*args, subpages=False)
+        assert i32.keys() == got[0].keys()
+        assert i64.keys() == got[1].keys() - {"seg_req", "seg_col", "fp_at"}
+        for k in i64:
+            assert np.array_equal(i64[k], got[1][k]), k
 
 
 def test_upload_sends_every_array_whole_and_aligned():

@@ -253,10 +253,7 @@ def plan_prefill(
     if window <= 0:
         return plan
     i32, i64 = _segments(starts, q_lens, lens, np.asarray(rows, dtype=np.int64), window,
-                         block_size, nb)
-    if plan.codes is not None:  # (the segments' own subpages serve the other path only)
-        for name in ("seg_req", "seg_col", "fp_at"):
-            del i64[name]
+                         subpages=plan.codes is None)
     for name, x in i32.items():
         uploads.put(plan, name, x, np.int32)
     for name, x in i64.items():
@@ -285,7 +282,14 @@ def _cum0(x) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(x)]).astype(np.int64)
 
 
-def _segments(starts, q_lens, lens, rows, window, block_size, nb):
+def _segment_counts(first, lens, window):
+    """Each request's first segment start (the window start of its first new row,
+    ``first``: layout.window_start) and its number of segments up to ``lens``."""
+    ws = first // window * window
+    return ws, -(-(lens - ws) // window)
+
+
+def _segments(starts, q_lens, lens, rows, window, subpages=True):
     """The window segments of each request's rows (layout.window_start): segment ``g0``
     holds positions ``[g0, g0 + W)``; its rows attend causally to its full-precision keys
     (this chunk's rows and, in the first, earlier steps' window store entries) and, when
@@ -294,8 +298,7 @@ def _segments(starts, q_lens, lens, rows, window, block_size, nb):
     int64 arrays of PrefillPlan's window fields, by name."""
     n, w, total_q = len(lens), window, int(starts[-1])
     first = lens - q_lens
-    ws = (first // w) * w
-    nseg = -(-(lens - ws) // w)
+    ws, nseg = _segment_counts(first, lens, w)
     req = np.repeat(np.arange(n), nseg)
     g0 = ws[req] + w * (np.arange(nseg.sum()) - np.repeat(np.cumsum(nseg) - nseg, nseg))
     f, tok0 = first[req], starts[:-1][req]
@@ -306,15 +309,16 @@ def _segments(starts, q_lens, lens, rows, window, block_size, nb):
                    _pairs(n_store, e - a))
     last = np.maximum(first, ((lens - 1) // w) * w)  # rows that end in the window store
     c = g0 > 0  # segments with a codes part
-    fp_at = np.full(len(g0) * w, -1, dtype=np.int64)  # segment s's subpage: rows s*W ..
-    fp_at[_runs(np.arange(len(g0)) * w, e - g0)] = np.arange(len(fp_src))
     i32 = dict(seg_cu_q=_cum0(e - a), seg_cu_k=_cum0(e - g0), seg_end=e)
     i64 = dict(fp_src=fp_src, store_rows=np.repeat(rows[req], n_store),
                store_slots=_runs(g0 % w, n_store),
                win_tokens=_runs(starts[:-1] + last - first, lens - last),
                win_rows=np.repeat(rows, lens - last), win_slots=_runs(last, lens - last) % w,
-               code_out=_runs((tok0 + a - f)[c], (e - a)[c]),
-               seg_req=req, seg_col=g0 // w, fp_at=fp_at)
+               code_out=_runs((tok0 + a - f)[c], (e - a)[c]))
+    if subpages:  # (the codes-attention kernel's path has no subpages)
+        fp_at = np.full(len(g0) * w, -1, dtype=np.int64)  # segment s's subpage: rows s*W ..
+        fp_at[_runs(np.arange(len(g0)) * w, e - g0)] = np.arange(len(fp_src))
+        i64.update(seg_req=req, seg_col=g0 // w, fp_at=fp_at)
     return i32, i64
 
 
@@ -340,9 +344,8 @@ def plan_prefills(qsl, seq_lens, block_table, block_size, window, rows, device, 
     lens = seq_lens.astype(np.int64)
     blocks = -(-lens // block_size)
     sub_tokens = np.zeros_like(lens)
-    if window > 0:  # W per segment, from the window start of each request's first row
-        ws = (lens - np.diff(qsl)) // window * window
-        sub_tokens = -(-(lens - ws) // window) * window
+    if window > 0:  # W per segment
+        sub_tokens = _segment_counts(lens - np.diff(qsl), lens, window)[1] * window
     while i < n:
         j, widest, subs = i + 1, blocks[i], sub_tokens[i]
         while (j < n and (j + 1 - i) * max(widest, blocks[j]) * block_size <= page_tokens
@@ -405,11 +408,7 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
         self.window_rows = WindowRows()
         self._rows_filled_with = None  # the scratch row req_rows' unused entries hold
         dev = torch.device(device)
-        self.num_sms = (
-            torch.cuda.get_device_properties(dev).multi_processor_count
-            if dev.type == "cuda"
-            else 1
-        )
+        self.num_sms = ops.num_sms(dev)
         kv_heads = kv_cache_spec.num_kv_heads
         q_heads = (
             vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)

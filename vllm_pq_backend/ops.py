@@ -235,7 +235,9 @@ def _segment_keys(p, k, v, state):
 
 
 @functools.cache
-def _num_sms(device) -> int:
+def num_sms(device) -> int:
+    """The device's SM count (1 off CUDA, where nothing is split for it)."""
+    device = torch.device(device)
     if device.type != "cuda":
         return 1
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -279,6 +281,19 @@ def _segment_pages(p, k, v, kv_cache, state):
     return tuple(x.view(-1, w, *x.shape[2:]) for x in (kp, vp))
 
 
+def _attention_pages(p, k, v, kv_cache, state):
+    """``(k, v, cu_seqlens_q, max_seqlen_q, seqused_k, block_table)`` of one causal call
+    over the group's pages: its requests over their dequantized pages without a window
+    (shared pages once where ``p.page_first`` says so; batch-invariant plans have none),
+    its segments over their subpages with one (_segment_pages)."""
+    if p.seg_cu_q is None:  # window 0: every key through its codes
+        kp, vp = codes_attention.dequant_pages(kv_cache, p.block_ids, state.k_cb, state.v_cb,
+                                               state.layout, first=p.page_first)
+        return kp, vp, p.cu_q, p.max_q, p.seq_lens, p.page_table
+    kp, vp = _segment_pages(p, k, v, kv_cache, state)
+    return kp, vp, p.seg_cu_q, p.seg_max_q, p.seg_end, p.seg_table
+
+
 def _prefill_fa(fa, p, out, q, k, v, kv_cache, state, scale) -> None:
     """Prefill with FlashAttention: over the group's dequantized pages and, with a window,
     each segment's own full-precision keys (_segment_pages); where the plan chose
@@ -287,17 +302,11 @@ def _prefill_fa(fa, p, out, q, k, v, kv_cache, state, scale) -> None:
     varlen, fa_version = fa
     version = fa_version(head_size=q.shape[-1])
     if p.codes is None:
-        if p.seg_cu_q is None:  # window 0: every key through its codes
-            kp, vp = codes_attention.dequant_pages(kv_cache, p.block_ids, state.k_cb,
-                                                   state.v_cb, state.layout, first=p.page_first)
-            cu_q, max_q, used, table = p.cu_q, p.max_q, p.seq_lens, p.page_table
-        else:
-            kp, vp = _segment_pages(p, k, v, kv_cache, state)
-            cu_q, max_q, used, table = p.seg_cu_q, p.seg_max_q, p.seg_end, p.seg_table
+        kp, vp, cu_q, max_q, used, table = _attention_pages(p, k, v, kv_cache, state)
         # FlashAttention's split heuristic split these many short requests, and its combine
         # then took 82 us a layer for 16K rows of 1K prompts (H200): unsplit once their
         # (request, KV head) pairs fill the GPU
-        splits = 1 if used.numel() * kp.shape[2] >= _num_sms(q.device) else 0
+        splits = 1 if used.numel() * kp.shape[2] >= num_sms(q.device) else 0
         varlen(
             q=q, k=kp, v=vp, out=out, cu_seqlens_q=cu_q, max_seqlen_q=max_q, seqused_k=used,
             max_seqlen_k=p.max_k, softmax_scale=scale, causal=True, block_table=table,
@@ -325,13 +334,7 @@ def _prefill_batch_invariant(attn, p, out, q, k, v, kv_cache, state, scale) -> N
     tiles from key position 0, no splits under VLLM_BATCH_INVARIANT) depends on nothing
     else in the batch; with a window, each segment is a request of its own
     (_segment_pages)."""
-    if p.seg_cu_q is None:
-        kp, vp = codes_attention.dequant_pages(kv_cache, p.block_ids, state.k_cb, state.v_cb,
-                                               state.layout)
-        cu_q, max_q, used, table = p.cu_q, p.max_q, p.seq_lens, p.page_table
-    else:
-        kp, vp = _segment_pages(p, k, v, kv_cache, state)
-        cu_q, max_q, used, table = p.seg_cu_q, p.seg_max_q, p.seg_end, p.seg_table
+    kp, vp, cu_q, max_q, used, table = _attention_pages(p, k, v, kv_cache, state)
     one = torch.ones(1, dtype=torch.float32, device=q.device).expand(used.numel(), kp.shape[2])
     attn(
         q=q, k=kp, v=vp, out=out, cu_seqlens_q=cu_q, max_seqlen_q=max_q, seqused_k=used,

@@ -232,7 +232,7 @@ struct SharedRecord {
 // loaded before any is scored, so that a decode-sized store waits for one round of loads
 // per 4 entries rather than per entry; past the list's end the last entry repeats, which
 // never wins a strict compare, so the first minimum in index order still wins. (A byte
-// load and a clamped index per entry took 23 instructions an entry against 14.)
+// load and a clamped index per entry took 23 instructions an entry against about 15.)
 template <typename Centroids, typename Record>
 __device__ __forceinline__ int grid_code(float x0, float x1, const Centroids& cs, const Record& rec,
                                          const GridHeader& h) {

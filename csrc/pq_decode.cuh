@@ -110,8 +110,10 @@ struct DecodeCfg {
   static constexpr int kVStageBytes = kWarps * kChunk * MV;
   __host__ __device__ static constexpr int stage_at(uint32_t base) { return kCbSmem ? img_at(base) + kCbBytes : kRedBytes; }
   // `reserved`: where the window's dynamic shared memory starts (the driver's reserved bytes)
-  // LaneLookup's per-lane constants ([word][lane], LaneLookup::save), after the K staging
-  static constexpr int kLaneBytes = kCbSmem ? 32 * 4 * ((NK + 1) / 2 + (NV + 1) / 2 + 2) : 0;
+  // LaneLookup's per-lane constants ([word][lane], LaneLookup::save), after the K staging:
+  // its K and V offset words and two rotation selectors
+  static constexpr int kLaneWords = (NK + 1) / 2 + (NV + 1) / 2 + 2;
+  static constexpr int kLaneBytes = kCbSmem ? 32 * 4 * kLaneWords : 0;
   static constexpr int smem_bytes(int reserved) { return stage_at(reserved) + kStageBytes + kLaneBytes; }
   static_assert(DSK >= 2 && DSK <= 8 && DSV >= 2 && DSV <= 8 && D % 16 == 0 && MK % 8 == 0 &&
                 MV % 8 == 0, "unsupported D/M");
@@ -195,7 +197,7 @@ struct LaneLookup {
                                     // 16-31 of the K / V rows' shared-window address
   uint32_t k_rot[2];  // byte_perm selectors rotating code bytes by rk within blocks of NK
   int rk, rv;
-  static constexpr int kWords = (C::NK + 1) / 2 + (C::NV + 1) / 2 + 2;
+  static_assert(sizeof(k_off) + sizeof(v_off) + sizeof(k_rot) == 4 * C::kLaneWords, "save / load's table");
 
   // The offsets and selectors from / to a per-lane table in shared memory ([word][lane]):
   // the compiler, short of registers, recomputed them from (r, c) every chunk (about 70

@@ -38,7 +38,9 @@ DECODERS, EVERY, TAIL = 8, 12, 4  # requests decoding; steps per prompt; decode-
 
 
 class HostTimer:
-    """Host time of wrapped calls made in prompt steps (``active`` set by the forward)."""
+    """Host time of wrapped calls made in prompt steps: a call with a ``gate`` is timed when
+    the gate says so and makes the calls inside it ``active``; one without is timed when
+    active (the forward's parts)."""
 
     def __init__(self) -> None:
         self.total: dict[str, float] = {}
@@ -50,11 +52,14 @@ class HostTimer:
             on = self.active if gate is None else gate(*args)
             if not on:
                 return f(*args, **kwargs)
+            outer, self.active = self.active, True
             t = time.perf_counter()
-            r = f(*args, **kwargs)
-            self.total[name] = self.total.get(name, 0.0) + time.perf_counter() - t
-            self.calls[name] = self.calls.get(name, 0) + 1
-            return r
+            try:
+                return f(*args, **kwargs)
+            finally:
+                self.total[name] = self.total.get(name, 0.0) + time.perf_counter() - t
+                self.calls[name] = self.calls.get(name, 0) + 1
+                self.active = outer
 
         return timed
 
@@ -97,20 +102,9 @@ def run_one(a) -> list[dict]:
         from vllm_pq_backend.impl import PQAttentionImpl as Impl
     else:
         from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl as Impl
-    forward = Impl.forward
-
-    def timed_forward(self, layer, query, *args, **kwargs):
-        prompt_step = query.shape[0] > DECODERS  # (decode steps: their CUDA graphs' size)
-        timer.active = prompt_step
-        t = time.perf_counter()
-        r = forward(self, layer, query, *args, **kwargs)
-        if prompt_step:
-            timer.total["forward"] = timer.total.get("forward", 0.0) + time.perf_counter() - t
-            timer.calls["forward"] = timer.calls.get("forward", 0) + 1
-        timer.active = False
-        return r
-
-    Impl.forward = timed_forward
+    # prompt steps: more rows than the decodes (decode steps: their CUDA graphs' size)
+    Impl.forward = timer.wrap("forward", Impl.forward,
+                              gate=lambda self, layer, query, *rest: query.shape[0] > DECODERS)
     if hasattr(Impl, "do_kv_cache_update"):  # FLASH_ATTN writes its cache apart from forward
         Impl.do_kv_cache_update = timer.wrap(
             "kv_cache_update", Impl.do_kv_cache_update,

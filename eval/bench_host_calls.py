@@ -79,15 +79,16 @@ def schemas(path: str = BINDING) -> dict[str, str]:
     return out
 
 
-def build():
-    """Registers the ops under NS with the no-op kernel; returns the pybind11 module."""
+def build(ops: dict[str, str]):
+    """Registers ``ops`` (name -> schema) under NS with the no-op kernel; returns the
+    Library (the definitions last as long as it does) and the pybind11 module."""
     from torch.utils.cpp_extension import load_inline
 
     lib = torch.library.Library(NS, "DEF")
-    for schema in schemas().values():
+    for schema in ops.values():
         lib.define(schema)
     impls = "".join(f'  m.impl("{name}", torch::CppFunction::makeFromBoxedFunction<&noop>());\n'
-                    for name in schemas())
+                    for name in ops)
     load_inline(f"{NS}_noop", cpp_sources=NOOP_CPP.replace("NS", NS).replace("IMPLS", impls),
                 is_python_module=False, extra_cflags=["-O2"])
     direct = load_inline(f"{NS}_direct", cpp_sources=DIRECT_CPP, extra_cflags=["-O2"])
@@ -138,8 +139,8 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=7)
     a = p.parse_args()
     torch.set_num_threads(1)
-    _lib, direct = build()
     ops = schemas()
+    lib, direct = build(ops)
     known = arguments()
     assert set(ops) <= set(known), f"no arguments for {sorted(set(ops) - set(known))}"
     args = {name: known[name] for name in ops}
@@ -178,6 +179,7 @@ def main() -> int:
             pass
         write_result(a.out, dict(provenance(device=f"CPU only: {cpu}, {os.cpu_count()} cores"),
                                  calls=a.calls, repeats=a.repeats, rows=rows))
+    del lib
     return 0
 
 

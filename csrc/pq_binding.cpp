@@ -4,7 +4,9 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
+#include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "pq_kernels.h"
@@ -30,6 +32,17 @@ void check(const Tensor& t, const char* name, const at::Device& dev, std::vector
 
 void check_dtype(const Tensor& t, const char* name, at::ScalarType want) {
   TORCH_CHECK(t.scalar_type() == want, "vllm_pq_backend: ", name, " must be ", want, ", got ", t.scalar_type());
+}
+
+// A K / V pair written in place (window store, subpages): the first of shape `sizes`, the
+// second of the first's shape, both of `dtype` and contiguous.
+void check_pair(const Tensor& x, const Tensor& y, const char* nx, const char* ny, const at::Device& dev,
+                const std::vector<int64_t>& sizes, at::ScalarType dtype) {
+  check(x, nx, dev, sizes);
+  check(y, ny, dev, std::vector<int64_t>(x.sizes().begin(), x.sizes().end()));
+  check_dtype(x, nx, dtype);
+  check_dtype(y, ny, dtype);
+  TORCH_CHECK(x.is_contiguous() && y.is_contiguous(), "vllm_pq_backend: ", nx, " and ", ny, " must be contiguous");
 }
 
 // Codebooks [kv_heads, M, 256, head_dim / M], contiguous.
@@ -134,11 +147,7 @@ void window_write(Tensor win_k, Tensor win_v, const Tensor& key, const Tensor& v
   pq::WindowArgs a{};
   a.kv = kv_rows_of(key, value, dev);
   const int64_t heads = key.size(1), d = key.size(2);
-  check(win_k, "win_k", dev, {-1, heads, -1, d});
-  check(win_v, "win_v", dev, {win_k.size(0), heads, win_k.size(2), d});
-  check_dtype(win_k, "win_k", key.scalar_type());
-  check_dtype(win_v, "win_v", key.scalar_type());
-  TORCH_CHECK(win_k.is_contiguous() && win_v.is_contiguous(), "vllm_pq_backend: window store must be contiguous");
+  check_pair(win_k, win_v, "win_k", "win_v", dev, {-1, heads, -1, d}, key.scalar_type());
   const int64_t count = tokens.numel();
   const std::pair<const Tensor*, const char*> index[] = {{&tokens, "tokens"}, {&rows, "rows"}, {&slots, "slots"}};
   for (const auto& [t, name] : index) {
@@ -241,11 +250,7 @@ void decode(Tensor out, const Tensor& q, const Tensor& kv_cache, const Tensor& b
               " must be 0 (none) or larger than the residual window ", window);
   a.sliding_window = static_cast<int>(sliding_window);
   if (window > 0) {
-    check(win_k, "win_k", dev, {-1, kv_heads, window, d});
-    check(win_v, "win_v", dev, {win_k.size(0), kv_heads, window, d});
-    check_dtype(win_k, "win_k", q.scalar_type());
-    check_dtype(win_v, "win_v", q.scalar_type());
-    TORCH_CHECK(win_k.is_contiguous() && win_v.is_contiguous(), "vllm_pq_backend: window store must be contiguous");
+    check_pair(win_k, win_v, "win_k", "win_v", dev, {-1, kv_heads, window, d}, q.scalar_type());
     check(rows, "rows", dev, {-1});
     check_dtype(rows, "rows", at::kInt);
     TORCH_CHECK(rows.is_contiguous() && rows.size(0) >= reqs, "vllm_pq_backend: rows must be contiguous int32 "
@@ -329,6 +334,78 @@ void map_rows(std::vector<Tensor> out, const std::vector<Tensor>& x, const std::
   check_cuda(pq::map_rows(a, at::cuda::getCurrentCUDAStream()), "map");
 }
 
+// The pages block_ids (1-D int32, any stride) dequantized to k_cb's dtype in FlashAttention's
+// paged layout [pages, B, kv_heads, D], then extra_pages more left unwritten (the segments'
+// own subpages, own_subpages); with `first` (int64, first_occurrence of the ids) only
+// each block id's first entry is written (pq_kernels.h, DequantArgs).
+std::tuple<Tensor, Tensor> dequant_pages(const Tensor& kv_cache, const Tensor& block_ids,
+                                         const std::optional<Tensor>& first,
+                                         const Tensor& k_cb, const Tensor& v_cb, int64_t extra_pages,
+                                         int64_t k_off, int64_t k_tok, int64_t v_off, int64_t v_sub,
+                                         int64_t nan_code) {
+  const at::Device dev = k_cb.device();
+  TORCH_CHECK(dev.is_cuda(), "vllm_pq_backend: k_cb must be a CUDA tensor");
+  const at::cuda::OptionalCUDAGuard guard(dev);
+  const int64_t heads = k_cb.size(0), d = k_cb.dim() == 4 ? k_cb.size(1) * k_cb.size(3) : 0;
+  pq::DequantArgs a{};
+  a.dtype = dtype_of(k_cb, "k_cb");
+  const int64_t m_k = check_codebook(k_cb, "k_cb", dev, heads, d, k_cb.scalar_type());
+  const int64_t m_v = check_codebook(v_cb, "v_cb", dev, heads, d, k_cb.scalar_type());
+  a.pages = pages_of(kv_cache, dev, heads, m_k, m_v, k_off, k_tok, v_off, v_sub, nan_code);
+  check(block_ids, "block_ids", dev, {-1});
+  check_dtype(block_ids, "block_ids", at::kInt);
+  const int64_t n = block_ids.size(0);
+  if (first.has_value()) {
+    check(*first, "first", dev, {n});
+    check_dtype(*first, "first", at::kLong);
+    TORCH_CHECK(first->is_contiguous(), "vllm_pq_backend: first must be contiguous");
+    a.first = first->data_ptr<int64_t>();
+  }
+  TORCH_CHECK(extra_pages >= 0, "vllm_pq_backend: extra_pages must be >= 0, got ", extra_pages);
+  const int64_t b = kv_cache.size(2);
+  Tensor k = at::empty({n + extra_pages, b, heads, d}, k_cb.options());
+  Tensor v = at::empty_like(k);
+  a.block_ids = block_ids.data_ptr<int32_t>();
+  a.ids_stride = block_ids.stride(0);
+  a.k_cb = k_cb.data_ptr();
+  a.v_cb = v_cb.data_ptr();
+  a.k_out = k.data_ptr();
+  a.v_out = v.data_ptr();
+  a.num_entries = static_cast<int>(n);
+  a.num_kv_heads = static_cast<int>(heads);
+  a.head_dim = static_cast<int>(d);
+  a.m_k = static_cast<int>(m_k);
+  a.m_v = static_cast<int>(m_v);
+  check_cuda(pq::dequant_pages(a, at::cuda::getCurrentCUDAStream()), "dequant_pages");
+  return {k, v};
+}
+
+// Rows first + i of k / v ([*, kv_heads, D], contiguous): row src[i] (int64, the op's `at`)
+// of keys / values ([n, kv_heads, D], dense heads), zeros where src[i] < 0 (pq_kernels.h, SubpageArgs).
+void own_subpages(Tensor k, Tensor v, int64_t first, const Tensor& keys, const Tensor& values, const Tensor& src) {
+  const at::Device dev = k.device();
+  TORCH_CHECK(dev.is_cuda(), "vllm_pq_backend: k must be a CUDA tensor");
+  const at::cuda::OptionalCUDAGuard guard(dev);
+  pq::SubpageArgs a{};
+  a.kv = kv_rows_of(keys, values, dev);
+  const int64_t heads = keys.size(1), d = keys.size(2);
+  check_pair(k, v, "k", "v", dev, {-1, heads, d}, keys.scalar_type());
+  check(src, "at", dev, {-1});
+  check_dtype(src, "at", at::kLong);
+  TORCH_CHECK(src.is_contiguous(), "vllm_pq_backend: at must be contiguous");
+  TORCH_CHECK(first >= 0 && first + src.size(0) <= k.size(0), "vllm_pq_backend: rows ", first, "..",
+              first + src.size(0), " are outside k's ", k.size(0), " rows");
+  a.k_out = k.data_ptr();
+  a.v_out = v.data_ptr();
+  a.at = src.data_ptr<int64_t>();
+  a.first = first;
+  a.count = src.size(0);
+  a.num_kv_heads = static_cast<int>(heads);
+  a.head_dim = static_cast<int>(d);
+  a.elem_bytes = static_cast<int>(keys.element_size());
+  check_cuda(pq::own_subpages(a, at::cuda::getCurrentCUDAStream()), "own_subpages");
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pq_backend, m) {
@@ -338,6 +415,10 @@ TORCH_LIBRARY(pq_backend, m) {
       "store(Tensor(a!) kv_cache, Tensor key, Tensor value, Tensor slot_mapping, Tensor k_cb, "
       "Tensor v_cb, Tensor k_grid, Tensor v_grid, int k_off, int k_tok, int v_off, int v_sub, "
       "int nan_code) -> ()");
+  m.def(
+      "dequant_pages(Tensor kv_cache, Tensor block_ids, Tensor? first, Tensor k_cb, Tensor v_cb, int extra_pages, "
+      "int k_off, int k_tok, int v_off, int v_sub, int nan_code) -> (Tensor, Tensor)");
+  m.def("own_subpages(Tensor(a!) k, Tensor(b!) v, int first, Tensor keys, Tensor values, Tensor at) -> ()");
   m.def(
       "window_write(Tensor(a!) win_k, Tensor(b!) win_v, Tensor key, Tensor value, Tensor tokens, Tensor rows, "
       "Tensor slots) -> ()");
@@ -352,6 +433,8 @@ TORCH_LIBRARY(pq_backend, m) {
 TORCH_LIBRARY_IMPL(pq_backend, CUDA, m) {
   m.impl("store", &store);
   m.impl("window_write", &window_write);
+  m.impl("dequant_pages", &dequant_pages);
+  m.impl("own_subpages", &own_subpages);
   m.impl("decode", &decode);
   m.impl("decode_books", &decode_books);
   m.impl("map", &map_rows);

@@ -117,7 +117,37 @@ struct WindowArgs {
   int count, kv_heads, window, head_dim, elem_bytes;
 };
 
+// A prefill group's pages dequantized for FlashAttention (pq_pages.cu): for each entry e
+// and KV head h, the B tokens of block block_ids[e * ids_stride] into
+// k_out / v_out [entries(+ more), B, kv_heads, D] at entry e; an entry whose first[e] != e
+// is left as it is (first: each entry's first entry with the same block id, or null).
+struct DequantArgs {
+  Pages pages;
+  const int32_t* block_ids;
+  int64_t ids_stride;
+  const int64_t* first;
+  const void* k_cb;  // [kv_heads, Mk, 256, D/Mk] activation dtype
+  const void* v_cb;  // [kv_heads, Mv, 256, D/Mv]
+  void* k_out;
+  void* v_out;
+  int num_entries, num_kv_heads, head_dim, m_k, m_v;
+  DType dtype;
+};
+
+// The segments' own subpages (pq_pages.cu): for i < count, row first + i of k_out / v_out
+// ([*, kv_heads, D], contiguous) = row at[i] of kv's key / value, or zeros if at[i] < 0.
+struct SubpageArgs {
+  void* k_out;
+  void* v_out;
+  KVRows kv;
+  const int64_t* at;
+  int64_t first, count;
+  int num_kv_heads, head_dim, elem_bytes;
+};
+
 cudaError_t store(const StoreArgs& a, cudaStream_t stream);
+cudaError_t dequant_pages(const DequantArgs& a, cudaStream_t stream);
+cudaError_t own_subpages(const SubpageArgs& a, cudaStream_t stream);
 cudaError_t window_write(const WindowArgs& a, cudaStream_t stream);
 cudaError_t map_rows(const MapArgs& a, cudaStream_t stream);
 cudaError_t decode(const DecodeArgs& a, cudaStream_t stream);

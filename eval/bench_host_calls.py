@@ -112,6 +112,8 @@ def arguments():
                   t(8, 64, 64, dtype=torch.uint8), *lay),
         "window_write": (win, win, key, key, ints(8, torch.long), ints(8, torch.long), ints(8, torch.long)),
         "decode": decode,
+        "dequant_pages": (cache, ints(64), ints(64, torch.long), cb, cb, 8, *lay),
+        "own_subpages": (t(1024, 8, 128), t(1024, 8, 128), 512, key, key, ints(128, torch.long)),
         "map": ([q, key], [q, key], [t(1, 128, 128, dtype=torch.float32)] * 2),
         "decode_books": (cb, cb),
     }

@@ -1,6 +1,6 @@
-"""Compiles vllm_pq_backend.codes_attention's kernels (attention, dequantized pages,
-merge) for sm_90 (no GPU needed) at every head size, bfloat16 and float16; run by tests/test_codes_attention.py in a process of its
-own, without Triton's interpreter."""
+"""Compiles vllm_pq_backend.codes_attention's Triton kernels (attention, merge) for sm_90
+(no GPU needed) at every head size, bfloat16 and float16; run by tests/test_codes_attention.py
+in a process of its own, without Triton's interpreter."""
 
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
@@ -10,9 +10,8 @@ from vllm_pq_backend.layout import NAN_CODE
 
 POINTERS = {"q_ptr": None, "kcb_ptr": None, "vcb_ptr": None, "o_ptr": "fp32", "lse_ptr": "fp32",
             "kv_ptr": "u8", "table_ptr": "i32", "tile_req_ptr": "i32", "tile_row_ptr": "i32",
-            "tile_rows_ptr": "i32", "tile_pos_ptr": "i32", "ids_ptr": "i32", "first_ptr": "i64",
-            "k_ptr": None, "v_ptr": None, "out_ptr": None, "oc_ptr": "fp32", "lsec_ptr": "fp32",
-            "rows_ptr": "i64", "crows_ptr": "i64"}  # None: the activation dtype
+            "tile_rows_ptr": "i32", "tile_pos_ptr": "i32", "out_ptr": None, "oc_ptr": "fp32",
+            "lsec_ptr": "fp32", "rows_ptr": "i64", "crows_ptr": "i64"}  # None: the activation dtype
 
 
 def build(name, fn, const, dtype, num_warps, *shape):
@@ -33,9 +32,5 @@ for dtype in ("bf16", "fp16"):
                    K_TOK=mk, V_OFF=128 * mk, V_SUB=128, CENTROIDS=256, NAN=NAN_CODE, GROUP=4,
                    BLOCK_M=ca.block_m(d), BLOCK_N=ca.BLOCK_N),
               dtype, ca.NUM_WARPS, d, mk, mv)
-        build("dequant", ca._dequant_pages_kernel,
-              dict(HKV=8, HEAD_DIM=d, MK=mk, MV=mv, K_OFF=0, K_TOK=mk, V_OFF=96 * mk,
-                   V_SUB=96, CENTROIDS=256, TOKENS=ca.DEQUANT_TOKENS),
-              dtype, 4 if d <= 128 else 8, d, mk, mv)
         build("merge", ca._merge_rows_kernel, dict(HQ=28, HEADS=ca.MERGE_HEADS, HEAD_DIM=d),
               dtype, 4, d)

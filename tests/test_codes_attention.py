@@ -149,7 +149,7 @@ def test_kernel_compiles_for_hopper():
     res = subprocess.run([sys.executable, os.path.join(here, "compile_codes_attention.py")],
                          env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.count("compiled") == 18, res.stdout
+    assert res.stdout.count("compiled") == 12, res.stdout
 
 
 def test_first_occurrence(ca):

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import kernels, reference
 from .layout import NAN_CODE, NUM_CENTROIDS, PageLayout
 
 BLOCK_N = 32  # keys per step; divides every block size (layout.BLOCK_ALIGN)
@@ -275,52 +276,11 @@ def merge_splits(o: torch.Tensor, lse: torch.Tensor):
 
 
 # The other path of prefill's codes part: the group's pages dequantized to 16 bits for
-# FlashAttention. One program per (page, KV head) gathers the centroids of a page's codes
-# straight into FlashAttention's paged layout [pages, B, Hkv, D]: one pass over the codes,
-# one write of the result (the PyTorch gather it replaces widened every code to int64 and
-# copied the result twice). Pages that an earlier entry of the same group already holds
-# (requests sharing a cached prefix) are skipped: their table entries point at that one
-# (metadata.plan_prefill).
-
-
-DEQUANT_TOKENS = 16  # tokens per step of a dequantizing program; divides layout.BLOCK_ALIGN
-
-
-@triton.jit
-def _dequant_pages_kernel(
-    kv_ptr, block_stride, head_stride,  # uint8 pages [blocks, Hkv, B, Mk + Mv]
-    ids_ptr, first_ptr,  # [pages] vLLM block ids; the first entry with the same id
-    kcb_ptr, vcb_ptr,  # [Hkv, M, 256, D / M]
-    k_ptr, v_ptr,  # [pages, B, Hkv, D] out
-    page_size,  # B, a runtime value: a constant would unroll the loop below
-    HKV: tl.constexpr, HEAD_DIM: tl.constexpr, MK: tl.constexpr, MV: tl.constexpr,
-    K_OFF: tl.constexpr, K_TOK: tl.constexpr, V_OFF: tl.constexpr, V_SUB: tl.constexpr,
-    CENTROIDS: tl.constexpr, TOKENS: tl.constexpr,
-):
-    page = tl.program_id(0)
-    kvh = tl.program_id(1)
-    if tl.load(first_ptr + page) != page:
-        return  # a duplicate: the table points at the first copy
-    blk = tl.load(ids_ptr + page).to(tl.int64)
-    region = kv_ptr + blk * block_stride + kvh * head_stride
-    DSK: tl.constexpr = HEAD_DIM // MK
-    DSV: tl.constexpr = HEAD_DIM // MV
-    d = tl.arange(0, HEAD_DIM)[None, :]
-    tt = tl.arange(0, TOKENS)[:, None]
-    # 32-bit offsets from scalar 64-bit bases: fewer registers than tensors of pointers
-    kcb = kcb_ptr + kvh * MK * CENTROIDS * DSK
-    vcb = vcb_ptr + kvh * MV * CENTROIDS * DSV
-    k_cent = (d // DSK) * (CENTROIDS * DSK) + d % DSK  # [1, D] centroid 0 of each dim
-    v_cent = (d // DSV) * (CENTROIDS * DSV) + d % DSV
-    dst = tt * (HKV * HEAD_DIM) + d  # [TOKENS, D] within TOKENS rows of the output
-    out0 = (page.to(tl.int64) * page_size * HKV + kvh) * HEAD_DIM
-    for t0 in range(0, page_size, TOKENS):  # TOKENS divides B
-        t = t0 + tt
-        kcode = tl.load(region + K_OFF + t * K_TOK + d // DSK).to(tl.int32)
-        vcode = tl.load(region + V_OFF + (d // DSV) * V_SUB + t).to(tl.int32)
-        out = out0 + t0 * (HKV * HEAD_DIM)
-        tl.store(k_ptr + out + dst, tl.load(kcb + k_cent + kcode * DSK))
-        tl.store(v_ptr + out + dst, tl.load(vcb + v_cent + vcode * DSV))
+# FlashAttention, in its paged layout [pages, B, Hkv, D], by one C++ op (csrc/pq_pages.cu:
+# one pass over the codes, one write of the result; a host call of a few microseconds,
+# where the Triton launch it replaced took 116 in eval/results/steps.json). Pages that an earlier entry of the same
+# group already holds (requests sharing a cached prefix) are skipped: their table entries
+# point at that one (metadata.plan_prefill).
 
 
 def first_occurrence(ids: torch.Tensor) -> torch.Tensor:
@@ -345,51 +305,15 @@ def dequant_pages(kv_cache, block_ids, k_cb, v_cb, layout: PageLayout, first=Non
     paged layout ``[pages, B, Hkv, D]``. With ``first`` (first_occurrence of the block ids)
     only the first entry of each block id is written, the others are left as they are;
     pages for ``extra_tokens`` more tokens follow them, unwritten."""
-    n = block_ids.numel()
-    hkv, d = k_cb.shape[0], k_cb.shape[1] * k_cb.shape[3]
     b = layout.block_size
-    k = torch.empty((n - (-extra_tokens // b), b, hkv, d), dtype=k_cb.dtype, device=k_cb.device)
-    v = torch.empty_like(k)
-    ids = block_ids.reshape(-1).contiguous()  # a column slice of a block table is strided
-    if first is None:
-        first = torch.arange(n, device=ids.device)
-    pages = kv_cache.view(torch.uint8).flatten(2)  # [blocks, Hkv, B * (Mk + Mv)]
-    k_off, k_tok, v_off, v_sub = layout.kernel_args()[:4]
-    if n:
-        _dequant_pages_kernel[(n, hkv)](
-            pages, pages.stride(0), pages.stride(1), ids, first, k_cb, v_cb, k, v, b,
-            HKV=hkv, HEAD_DIM=d, MK=layout.m_k, MV=layout.m_v,
-            K_OFF=k_off, K_TOK=k_tok, V_OFF=v_off, V_SUB=v_sub, CENTROIDS=NUM_CENTROIDS,
-            TOKENS=DEQUANT_TOKENS, num_warps=4 if d <= 128 else 8,
-        )
-    return k, v
-
-
-# The segments' own subpages (ops._segment_pages): one program per ROWS rows of them, each
-# row a key of the segment (its K and V rows copied) or past the segment's keys (zeros).
-# index_put_ and index_fill_ took 93 us a layer for 16K rows on an H200, at 0.7 TB/s.
-OWN_ROWS = 4
-
-
-@triton.jit
-def _own_subpages_kernel(
-    k_ptr, v_ptr, first,  # [*, Hkv, D] contiguous: rows first.. are the subpages
-    sk_ptr, sk_row, sk_head, sv_ptr, sv_row, sv_head,  # [keys, Hkv, D] the segments' keys
-    at_ptr, n,  # [n] each subpage row's key, or -1
-    HKV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-):
-    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    live = r < n
-    src = tl.load(at_ptr + r, mask=live, other=-1).to(tl.int64)[:, None]
-    e = tl.arange(0, BLOCK)[None, :]
-    in_row = e < HKV * HEAD_DIM
-    h, d = e // HEAD_DIM, e % HEAD_DIM
-    m = (src >= 0) & in_row
-    kx = tl.load(sk_ptr + src * sk_row + h * sk_head + d, mask=m, other=0.0)
-    vx = tl.load(sv_ptr + src * sv_row + h * sv_head + d, mask=m, other=0.0)
-    dst = (first + r.to(tl.int64))[:, None] * (HKV * HEAD_DIM) + e
-    tl.store(k_ptr + dst, kx, mask=live[:, None] & in_row)
-    tl.store(v_ptr + dst, vx, mask=live[:, None] & in_row)
+    if k_cb.is_cuda and kernels.load() is not None:  # one C++ op: its host time is a fraction
+        return torch.ops.pq_backend.dequant_pages(
+            kv_cache, block_ids.reshape(-1), first, k_cb, v_cb, -(-extra_tokens // b),
+            *layout.kernel_args())
+    # Without the CUDA extension (the reference path on a GPU): every entry written
+    k, v = reference.dequant_pages(kv_cache, block_ids.reshape(-1), k_cb, v_cb, layout)
+    extra = k.new_empty((-(-extra_tokens // b), *k.shape[1:]))
+    return torch.cat([k, extra]), torch.cat([v, extra])
 
 
 def own_subpages(k, v, first: int, keys, values, at) -> None:
@@ -397,12 +321,14 @@ def own_subpages(k, v, first: int, keys, values, at) -> None:
     ``keys`` / ``values`` (``[n, Hkv, D]``, any row stride), zeros where ``at[i] < 0``."""
     n = at.numel()
     hkv, d = k.shape[-2], k.shape[-1]
-    if n:
-        _own_subpages_kernel[(triton.cdiv(n, OWN_ROWS),)](
-            k, v, first, keys, keys.stride(0), keys.stride(1), values, values.stride(0),
-            values.stride(1), at, n, HKV=hkv, HEAD_DIM=d,
-            BLOCK=triton.next_power_of_2(hkv * d), ROWS=OWN_ROWS,
-        )
+    if k.is_cuda and kernels.load() is not None:
+        torch.ops.pq_backend.own_subpages(k.view(-1, hkv, d), v.view(-1, hkv, d), first, keys,
+                                          values, at)
+        return
+    rows = torch.where((at >= 0)[:, None, None], keys[at.clamp(min=0)], 0)
+    k.view(-1, hkv, d)[first : first + n] = rows
+    rows = torch.where((at >= 0)[:, None, None], values[at.clamp(min=0)], 0)
+    v.view(-1, hkv, d)[first : first + n] = rows
 
 
 # Prefill with a window merges two partial results per codes-reading row: the segment's

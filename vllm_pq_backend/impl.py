@@ -69,6 +69,9 @@ class LayerState:
             self.win_k = torch.zeros(shape, dtype=dtype, device=device)
             self.win_v = torch.zeros(shape, dtype=dtype, device=device)
         self.hq, self.d, self.device = impl.num_heads, impl.head_size, device
+        # FlashAttention's version for prefill, chosen once: vLLM's choice walks the platform and
+        # config each call, a host cost every layer of every step that carries a prompt
+        self.fa_version = ops.flash_attn_version(device, impl.head_size)
         # The profiling run's peak must include a prefill group's transient pages and the
         # decode kernel's split results (which the metadata builder allocates after vLLM
         # sized the KV cache), so that vLLM leaves room for them.

@@ -26,10 +26,18 @@ def kernels_available() -> bool:
     error, not a silent fallback, on a GPU without them unless the reference is asked for)."""
     if kernels.load() is None:
         return False
-    # Shapes for torch.compile / meta tensors: both ops only write into their arguments.
-    for name in ("store", "window_write", "decode", "map"):
+    # Shapes for torch.compile / meta tensors: these ops only write into their arguments.
+    for name in ("store", "window_write", "own_subpages", "decode", "map"):
         torch.library.register_fake(f"pq_backend::{name}")(lambda *args, **kwargs: None)
+    torch.library.register_fake("pq_backend::dequant_pages")(_dequant_pages_fake)
     return True
+
+
+def _dequant_pages_fake(kv_cache, block_ids, first, k_cb, v_cb, extra_pages, *layout):
+    """dequant_pages' outputs: ``[pages + extra_pages, B, Hkv, D]`` in the codebooks' dtype."""
+    k = k_cb.new_empty((block_ids.shape[0] + extra_pages, kv_cache.shape[2], k_cb.shape[0],
+                        k_cb.shape[1] * k_cb.shape[3]))
+    return k, torch.empty_like(k)
 
 
 def use_kernels(t: torch.Tensor) -> bool:
@@ -39,6 +47,13 @@ def use_kernels(t: torch.Tensor) -> bool:
 def flash_attn_for(t: torch.Tensor):
     """(flash_attn_varlen_func, get_flash_attn_version) for tensors on ``t``'s device."""
     return _flash_attn() if t.is_cuda else None
+
+
+def flash_attn_version(device, head_size: int):
+    """The FlashAttention version vLLM picks for this head size on ``device`` (None off
+    CUDA or without FlashAttention)."""
+    fa = _flash_attn() if torch.device(device).type == "cuda" else None
+    return None if fa is None else fa[1](head_size=head_size)
 
 
 @functools.cache
@@ -299,8 +314,7 @@ def _prefill_fa(fa, p, out, q, k, v, kv_cache, state, scale) -> None:
     each segment's own full-precision keys (_segment_pages); where the plan chose
     codes_attention's kernel for the codes part (few rows next to the history they read),
     FlashAttention for the segments' full-precision keys alone and an LSE merge."""
-    varlen, fa_version = fa
-    version = fa_version(head_size=q.shape[-1])
+    varlen, version = fa[0], state.fa_version
     if p.codes is None:
         kp, vp, cu_q, max_q, used, table = _attention_pages(p, k, v, kv_cache, state)
         # FlashAttention's split heuristic split these many short requests, and its combine

@@ -277,10 +277,11 @@ def merge_splits(o: torch.Tensor, lse: torch.Tensor):
 
 # The other path of prefill's codes part: the group's pages dequantized to 16 bits for
 # FlashAttention, in its paged layout [pages, B, Hkv, D], by one C++ op (csrc/pq_pages.cu:
-# one pass over the codes, one write of the result; a host call of a few microseconds,
-# where the Triton launch it replaced took 116 in eval/results/steps.json). Pages that an earlier entry of the same
-# group already holds (requests sharing a cached prefix) are skipped: their table entries
-# point at that one (metadata.plan_prefill).
+# one pass over the codes, one write of the result). Launched from C++ because the Triton
+# launch it replaced cost 116 us of host time a layer (eval/results/steps.json; 38 us now,
+# steps_a5a1333.json). Pages that an earlier entry of the same group already holds
+# (requests sharing a cached prefix) are skipped: their table entries point at that one
+# (metadata.plan_prefill).
 
 
 def first_occurrence(ids: torch.Tensor) -> torch.Tensor:
@@ -325,10 +326,9 @@ def own_subpages(k, v, first: int, keys, values, at) -> None:
         torch.ops.pq_backend.own_subpages(k.view(-1, hkv, d), v.view(-1, hkv, d), first, keys,
                                           values, at)
         return
-    rows = torch.where((at >= 0)[:, None, None], keys[at.clamp(min=0)], 0)
-    k.view(-1, hkv, d)[first : first + n] = rows
-    rows = torch.where((at >= 0)[:, None, None], values[at.clamp(min=0)], 0)
-    v.view(-1, hkv, d)[first : first + n] = rows
+    live, src = (at >= 0)[:, None, None], at.clamp(min=0)
+    for out, rows in ((k, keys), (v, values)):
+        out.view(-1, hkv, d)[first : first + n] = torch.where(live, rows[src], 0)
 
 
 # Prefill with a window merges two partial results per codes-reading row: the segment's

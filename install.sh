@@ -18,7 +18,9 @@ sys.exit(not (m.version("vllm") == "0.32.0" and m.version("torch").split("+")[0]
 EOF
   # vLLM 0.32.0 and torch 2.13.0 are here already (a GPU image, a prepared environment):
   # leave them and their CUDA libraries as they are; add the package and its other pins.
-  $PY -m pip install -q --no-deps -e .
+  # No isolated build: it would download setuptools, which fails on an offline machine
+  # (setuptools and wheel are here, above); the kernels are built below, not by pip.
+  VLLM_PQ_SKIP_KERNELS=1 $PY -m pip install -q --no-deps --no-build-isolation -e .
   others=$($PY - <<'EOF'
 import importlib.metadata as m
 from packaging.requirements import Requirement

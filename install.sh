@@ -21,16 +21,37 @@ EOF
   # No isolated build: it would download setuptools, which fails on an offline machine
   # (setuptools and wheel are here, above); the kernels are built below, not by pip.
   VLLM_PQ_SKIP_KERNELS=1 $PY -m pip install -q --no-deps --no-build-isolation -e .
-  others=$($PY - <<'EOF'
+  # The package's other pins (and pytest) where absent or at another version: installed
+  # from the index; where that fails (offline) a version already here is kept, with a warning.
+  todo=$($PY - <<'EOF'
 import importlib.metadata as m
 from packaging.requirements import Requirement
-reqs = [Requirement(r) for r in m.requires("vllm_pq_backend") or []]
-print(" ".join(str(r).split(";")[0] for r in reqs if r.name not in ("vllm", "torch")
-               and (r.marker is None or r.marker.evaluate({"extra": "test"}))))
+for r in map(Requirement, m.requires("vllm_pq_backend") or []):
+    if r.name in ("vllm", "torch") or (r.marker and not r.marker.evaluate({"extra": "test"})):
+        continue
+    try:
+        have = m.version(r.name)
+    except m.PackageNotFoundError:
+        have = ""
+    if not have or have not in r.specifier:
+        print(f"{str(r).split(';')[0]} {r.name} {have or '-'}")
 EOF
 )
-  $PY -m pip install -q $others
-  echo "install.sh: vLLM 0.32.0 and torch 2.13.0 found: installed the package next to them (and $others)"
+  specs=$(echo "$todo" | cut -d' ' -f1 | tr '\n' ' ')
+  added=""
+  if [ -n "$todo" ]; then
+    if $PY -m pip install -q $specs; then
+      added=" (and $specs)"
+    else
+      absent=$(echo "$todo" | { grep ' -$' || true; } | cut -d' ' -f1 | tr '\n' ' ')
+      if [ -n "$absent" ]; then
+        echo "install.sh: error: could not install ${absent}(not installed here either)" >&2
+        exit 1
+      fi
+      echo "install.sh: warning: could not install ${specs}(offline?); keeping what is here: $(echo "$todo" | awk '{printf "%s%s %s", s, $2, $3; s=", "}')" >&2
+    fi
+  fi
+  echo "install.sh: vLLM 0.32.0 and torch 2.13.0 found: installed the package next to them$added"
 else
   $PY -m pip install -q -e ".[test]"
 fi

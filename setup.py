@@ -5,7 +5,6 @@ The CUDA kernels (csrc/) build when this runs next to a CUDA build of torch and 
 In pip's isolated build env, which has no torch, the package installs as pure Python.
 """
 
-import glob
 import os
 import sys
 
@@ -30,17 +29,16 @@ def cuda_extensions():
         return [], {}
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path.insert(0, os.path.join(here, "csrc"))
-    from gen_units import units  # one unit per (dtype, head_dim): parallel compiles
+    import extension  # csrc/extension.py: sources, flags and link inputs, as kernels.py's build
 
     unit_dir = os.path.join(here, "build", "units")
-    generated = [os.path.relpath(p, here) for p in units(unit_dir)]
-    sources = sorted(glob.glob("csrc/*.cu")) + generated + ["csrc/pq_binding.cpp"]
-    nvcc = ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo", "-Xptxas=-v"]
+    sources = [os.path.relpath(p, here) for p in extension.sources(unit_dir)]
     ext = CUDAExtension(
         "vllm_pq_backend._C",
         sources,
         include_dirs=[os.path.join(here, "csrc"), unit_dir],  # unit_dir: pq_decode_shapes.inc
-        extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": nvcc},
+        extra_compile_args={"cxx": extension.CXX_FLAGS, "nvcc": extension.NVCC_FLAGS + ["-Xptxas=-v"]},
+        extra_link_args=extension.link_args(),
     )
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
 

@@ -2,6 +2,9 @@
 tables, with poisoned outputs. Needs a GPU and the built extension."""
 
 import math
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -472,6 +475,33 @@ def test_store_grid_search_gives_the_full_search_codes(d, m, m_v, dtype):
     with pytest.raises(RuntimeError, match="k_grid must be contiguous"):
         stored(grids[0][..., 8:], grids[1])
 
+
+
+def test_an_error_message_with_numbers_raises_as_the_first_call_of_a_process():
+    """A shape error's message formats numbers through the C++ runtime's iostreams. With a
+    second, static copy of that runtime linked into the extension (a compiler whose toolchain
+    has only libstdc++.a; csrc/extension.py's link_args) the process died there (SIGSEGV)
+    instead of raising, and only where no other such message had been formatted before: so
+    the bad call is the first op of a process of its own."""
+    code = textwrap.dedent("""
+        import torch
+        from vllm_pq_backend import ops
+        from vllm_pq_backend.layout import PageLayout
+        assert ops.kernels_available()
+        lay = PageLayout(64, 32, 32)
+        cache = torch.zeros(4, 2, 64, lay.state_bytes, dtype=torch.uint8, device="cuda")
+        key = torch.zeros(8, 2, 64, dtype=torch.bfloat16, device="cuda")
+        cb = torch.zeros(2, 32, 256, 2, device="cuda")
+        none = torch.empty(0, dtype=torch.uint8)
+        try:
+            torch.ops.pq_backend.store(cache, key, key, torch.arange(8, device="cuda"), cb, cb[:1],
+                                       none, none, *lay.kernel_args())
+        except RuntimeError as e:
+            print(str(e).splitlines()[0])
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (r.returncode, r.stderr[-3000:])
+    assert "v_cb has shape [1, 32, 256, 2], expected [2, -1, 256, -1]" in r.stdout, r.stdout
 
 def _decode_args(c, **over):
     r, hq, d = c["q"].shape

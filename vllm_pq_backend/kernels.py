@@ -20,7 +20,6 @@ logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler, see __init__
 
 ENV_ALLOW_REFERENCE = "VLLM_PQ_ALLOW_REFERENCE"
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
-NVCC_FLAGS = ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo"]  # as setup.py
 
 
 class KernelsUnavailable(RuntimeError):
@@ -60,10 +59,9 @@ def _build() -> str:
 
     if not (CSRC / "pq_binding.cpp").is_file():
         raise FileNotFoundError(f"no CUDA sources at {CSRC} (a source checkout has them)")
-    spec = importlib.util.spec_from_file_location("pq_gen_units", CSRC / "gen_units.py")
-    gen = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gen)
-    sources = sorted(CSRC.glob("*.cu")) + [CSRC / "pq_binding.cpp"]
+    spec = importlib.util.spec_from_file_location("pq_extension", CSRC / "extension.py")
+    ext = importlib.util.module_from_spec(spec)  # by path: csrc is not a package
+    spec.loader.exec_module(ext)
     digest = hashlib.sha256()
     for p in sorted(CSRC.glob("*")) + [Path(__file__).parent / "layout.py"]:
         if p.is_file():
@@ -71,16 +69,16 @@ def _build() -> str:
     tag = f"torch{torch.__version__}-cuda{torch.version.cuda}-{digest.hexdigest()[:12]}"
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
     build_dir = cache / "vllm_pq_backend" / tag
-    units = [Path(u) for u in gen.units(str(build_dir / "units"))]
     logger.info("vllm_pq_backend: building the CUDA kernels just in time in %s (first use "
                 "with this torch and these sources: a few minutes, cached after)", build_dir)
     start = time.time()
     mod = load_extension(
         name="vllm_pq_backend_C",
-        sources=[str(p) for p in sources + units],
+        sources=ext.sources(str(build_dir / "units")),
         extra_include_paths=[str(CSRC), str(build_dir / "units")],
-        extra_cflags=["-O3", "-std=c++17"],
-        extra_cuda_cflags=NVCC_FLAGS,
+        extra_cflags=ext.CXX_FLAGS,
+        extra_cuda_cflags=ext.NVCC_FLAGS,
+        extra_ldflags=ext.link_args(),
         build_directory=str(build_dir),
     )
     logger.info("vllm_pq_backend: CUDA kernels ready in %.0f s (%s)", time.time() - start,

@@ -476,7 +476,6 @@ def test_store_grid_search_gives_the_full_search_codes(d, m, m_v, dtype):
         stored(grids[0][..., 8:], grids[1])
 
 
-
 def test_an_error_message_with_numbers_raises_as_the_first_call_of_a_process():
     """A shape error's message formats numbers through the C++ runtime's iostreams. With a
     second, static copy of that runtime linked into the extension (a compiler whose toolchain
@@ -502,6 +501,7 @@ def test_an_error_message_with_numbers_raises_as_the_first_call_of_a_process():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, (r.returncode, r.stderr[-3000:])
     assert "v_cb has shape [1, 32, 256, 2], expected [2, -1, 256, -1]" in r.stdout, r.stdout
+
 
 def _decode_args(c, **over):
     r, hq, d = c["q"].shape

@@ -192,8 +192,7 @@ void decode(Tensor out, const Tensor& q, const Tensor& kv_cache, const Tensor& b
             const Tensor& seq_lens, const Tensor& k_cb, const Tensor& v_cb, const Tensor& books, const Tensor& win_k,
             const Tensor& win_v, const Tensor& rows, const Tensor& new_k, const Tensor& new_v,
             int64_t window, int64_t sliding_window,
-            int64_t num_splits, int64_t min_split, int64_t num_ctas, double scale, bool lut, Tensor ws_o, Tensor ws_lse,
-            Tensor ws_count, int64_t k_off,
+            int64_t num_splits, int64_t min_split, int64_t num_ctas, double scale, bool lut, Tensor ws_o, Tensor ws_lse, int64_t k_off,
             int64_t k_tok, int64_t v_off, int64_t v_sub, int64_t nan_code) {
   const at::Device dev = q.device();
   TORCH_CHECK(dev.is_cuda(), "vllm_pq_backend: q must be a CUDA tensor");
@@ -228,13 +227,6 @@ void decode(Tensor out, const Tensor& q, const Tensor& kv_cache, const Tensor& b
                   ws_o.numel() >= reqs * heads * num_splits * d &&
                   ws_lse.numel() >= reqs * heads * num_splits,
               "vllm_pq_backend: decode workspace too small or not on ", dev);
-  // (zeros: each launch leaves them zero; one that stopped half way would not, so a caller
-  // that catches this op's errors must give the next call new ones)
-  const int64_t counts = reqs * pq::decode_groups(static_cast<int>(heads), static_cast<int>(kv_heads));
-  check_dtype(ws_count, "ws_count", at::kInt);
-  TORCH_CHECK(ws_count.device() == dev && ws_count.is_contiguous() && ws_count.numel() >= counts,
-              "vllm_pq_backend: ws_count must be contiguous int32 zeros on ", dev, " with >= ", counts,
-              " entries, got ", ws_count.numel());
   pq::DecodeArgs a{};
   a.pages = pages_of(kv_cache, dev, kv_heads, m_k, m_v, k_off, k_tok, v_off, v_sub, nan_code);
   a.q = q.data_ptr();
@@ -294,7 +286,6 @@ void decode(Tensor out, const Tensor& q, const Tensor& kv_cache, const Tensor& b
   a.lut = lut;
   a.ws_o = ws_o.data_ptr<float>();
   a.ws_lse = ws_lse.data_ptr<float>();
-  a.ws_count = ws_count.data_ptr<int32_t>();
   a.dtype = dt;
   check_cuda(pq::decode(a, at::cuda::getCurrentCUDAStream()), "decode");
 }
@@ -435,7 +426,7 @@ TORCH_LIBRARY(pq_backend, m) {
       "decode(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
       "Tensor k_cb, Tensor v_cb, Tensor books, Tensor(d!) win_k, Tensor(e!) win_v, Tensor rows, Tensor new_k, "
       "Tensor new_v, int window, int sliding_window, int num_splits, int min_split, int num_ctas, float scale, "
-      "bool lut, Tensor(b!) ws_o, Tensor(c!) ws_lse, Tensor(f!) ws_count, int k_off, int k_tok, int v_off, int v_sub, "
+      "bool lut, Tensor(b!) ws_o, Tensor(c!) ws_lse, int k_off, int k_tok, int v_off, int v_sub, "
       "int nan_code) -> ()");
 }
 

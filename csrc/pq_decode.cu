@@ -1,7 +1,9 @@
-// Decode entry point: picks the (dtype, head_dim, Mk, Mv) instantiation (the kernel merges
-// its split results itself, pq_decode.cuh). The instantiations live in generated units
+// Decode entry point: picks the (dtype, head_dim, Mk, Mv) instantiation, then merges the
+// split results by their log-sum-exp. The instantiations live in generated units
 // (csrc/gen_units.py, which also writes the list of cases below) so that they compile
 // in parallel.
+#include <math_constants.h>
+
 #include "pq_common.cuh"
 
 namespace pq {
@@ -13,15 +15,44 @@ cudaError_t launch_books(uint8_t* out, const void* k_cb, const void* v_cb, int k
 
 namespace {
 
+// out[req, head] = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max), skipping empty splits.
+template <typename T>
+__global__ void reduce_kernel(DecodeArgs a) {
+  const int req = blockIdx.x, head = blockIdx.y, slots = a.num_splits, d = a.head_dim;
+  const int64_t base = ((int64_t)req * a.num_heads + head) * slots;
+  const float* lse = a.ws_lse + base;
+  float mx = -CUDART_INF_F;
+  bool nan = false;  // a split that read a NaN-marked key (layout.py) makes the output NaN
+  for (int s = 0; s < slots; ++s) mx = fmaxf(mx, lse[s]), nan = nan || isnan(lse[s]);
+  T* out = static_cast<T*>(a.out) + req * a.out_stride + (int64_t)head * d;
+  for (int dim = threadIdx.x; dim < d; dim += blockDim.x) {
+    float num = 0.f, den = 0.f;
+    if (mx != -CUDART_INF_F) {
+      for (int s = 0; s < slots; ++s) {
+        if (lse[s] == -CUDART_INF_F) continue;  // nothing written there
+        const float w = exp2f(lse[s] - mx);
+        num += w * a.ws_o[(base + s) * d + dim];
+        den += w;
+      }
+    }
+    out[dim] = Elem<T>::from_float(nan ? CUDART_NAN_F : den > 0.f ? num / den : 0.f);
+  }
+}
+
 template <typename T>
 cudaError_t decode_typed(const DecodeArgs& a, cudaStream_t stream) {
-  switch ((int64_t)a.head_dim * 1000000 + a.m_k * 1000 + a.m_v) {
+  const int64_t key = (int64_t)a.head_dim * 1000000 + a.m_k * 1000 + a.m_v;
+  cudaError_t err;
+  switch (key) {
 #define PQ_CASE(D, MK, MV) \
-  case D * 1000000 + MK * 1000 + MV: return launch_decode<T, D, MK, MV>(a, stream);
+  case D * 1000000 + MK * 1000 + MV: err = launch_decode<T, D, MK, MV>(a, stream); break;
 #include "pq_decode_shapes.inc"  // generated next to the units (csrc/gen_units.py)
 #undef PQ_CASE
     default: return cudaErrorInvalidValue;
   }
+  if (err != cudaSuccess || a.num_splits == 1) return err;  // one split: the kernel wrote out
+  reduce_kernel<T><<<dim3(a.num_reqs, a.num_heads), 128, 0, stream>>>(a);
+  return cudaGetLastError();
 }
 
 template <typename T>

@@ -38,8 +38,7 @@
 // * Output dims are permuted back at the end: tile (q, u) rows r / r+8 are dims
 //   (8q + r) * D/M + 2u + {0, 1}.
 // Scores go through exp2 with scale*log2(e); partial results are normalized with their
-// log2-sum-exp and merged by the last CTA of their (request, head group) to finish
-// (merge_splits; with one split the item's result is the output). The last split with codes also reads the
+// log2-sum-exp and merged by reduce_kernel. The last split with codes also reads the
 // full-precision window store (its own CTAs would each reserve the codebooks' shared memory
 // for nothing).
 #pragma once
@@ -53,7 +52,7 @@
 namespace pq {
 
 constexpr int kChunk = 32;
-constexpr int kHeadsPerCta = kDecodeHeadsPerCta;
+constexpr int kHeadsPerCta = 8;
 constexpr float kLog2e = 1.4426950408889634f;
 
 // MK / MV: K and V subspaces per head (K and V may have different bit rates).
@@ -410,51 +409,6 @@ struct DecodeCta {
   }
 };
 
-// out[req, head, dim] from (req, head)'s split results: sum_s 2^(lse_s - max) o_s /
-// sum_s 2^(lse_s - max) over the splits that read keys, NaN where one read a NaN-marked key
-// (layout.py). Read through L2 (__ldcg): other CTAs wrote them during this launch.
-template <typename T>
-__device__ void merge_splits(const DecodeArgs& a, int req, int head, int dim) {
-  const int slots = a.num_splits;
-  const int64_t base = ((int64_t)req * a.num_heads + head) * slots;
-  float mx = -CUDART_INF_F;
-  bool nan = false;
-  for (int s = 0; s < slots; ++s) {
-    const float lse = __ldcg(a.ws_lse + base + s);
-    mx = fmaxf(mx, lse), nan = nan || isnan(lse);
-  }
-  float num = 0.f, den = 0.f;
-  if (mx != -CUDART_INF_F) {
-    for (int s = 0; s < slots; ++s) {
-      const float lse = __ldcg(a.ws_lse + base + s);
-      if (lse == -CUDART_INF_F) continue;  // nothing written there
-      const float w = exp2f(lse - mx);
-      num += w * __ldcg(a.ws_o + (base + s) * a.head_dim + dim);
-      den += w;
-    }
-  }
-  static_cast<T*>(a.out)[req * a.out_stride + (int64_t)head * a.head_dim + dim] =
-      Elem<T>::from_float(nan ? CUDART_NAN_F : den > 0.f ? num / den : 0.f);
-}
-
-// Whether this CTA is the last of its (request, head group)'s num_splits items to finish
-// (every thread gets the answer). Its own split results are made visible device-wide first;
-// the last one zeroes the counter for the next launch (all arrivals are in). This replaced a
-// reduce kernel of its own, whose launch and pass cost 5-8% at 1K x 64 (eval/results/).
-__device__ __forceinline__ bool last_arrival(const DecodeArgs& a, int req) {
-  __threadfence();
-  __syncthreads();
-  int last = 0;
-  if (threadIdx.x == 0) {
-    int32_t* count = a.ws_count + (int64_t)req * gridDim.y + blockIdx.y;
-    last = atomicAdd(count, 1) == a.num_splits - 1;
-    if (last) *count = 0;
-  }
-  last = __syncthreads_or(last);
-  if (last) __threadfence();  // the other CTAs' results, seen through their count, are read after
-  return last;
-}
-
 // Where a request's keys go.
 // Codes [lo, n_codes) in `used` splits of `per` tokens from `first`, and the window
 // [max(n_codes, lo), L) (layout.window_start of the query at L - 1) in split used - 1,
@@ -523,13 +477,9 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
       if (wrow >= 0 && wrow < a.win_rows && slot == plan.used - 1) w_begin = max(n_codes, lo), w_end = len;
     }
     float* lse_out = a.ws_lse + ((int64_t)req * a.num_heads + h0) * slots + slot;
-    // One split: the item's result is the output (what merge_splits would make of it, bit
-    // for bit: weight 2^0, den 1), so it goes there without the workspace round trip.
+    // One split: the item's result is the output (what reduce_kernel would write, bit for
+    // bit), so there is no workspace round trip and no reduce launch (pq_decode.cu).
     T* direct = slots == 1 ? static_cast<T*>(a.out) + req * a.out_stride + (int64_t)h0 * D : nullptr;
-    auto merge_if_last = [&]() {
-      if (slots > 1 && last_arrival(a, req))
-        for (int idx = threadIdx.x; idx < nh * D; idx += C::kThreads) merge_splits<T>(a, req, h0 + idx / D, idx % D);
-    };
     const bool has_codes = t_begin < t_end, has_win = w_begin < w_end;
     if (!has_codes && !has_win) {
       if (direct != nullptr) {
@@ -537,7 +487,6 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
       } else if (threadIdx.x < nh) {
         lse_out[threadIdx.x * slots] = -CUDART_INF_F;
       }
-      merge_if_last();
       continue;
     }
 
@@ -761,7 +710,6 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
       o_out[(int64_t)head * slots * D + dim] = o_val;
       if (dim == 0) lse_out[head * slots] = den != 0.f ? mstar + log2f(den) : -CUDART_INF_F;
     }
-    merge_if_last();
   }
   if constexpr (C::kCbSmem) cp_async_wait_all();  // no copy outlives the CTA (items all empty)
 }
@@ -805,8 +753,9 @@ cudaError_t launch_kernel(const DecodeArgs& a, cudaStream_t stream) {
   const int smem = C::smem_bytes(reserved);
   err = cudaFuncSetAttribute(decode_kernel<T, D, MK, MV, LUT>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
+  const int group = a.num_heads / a.num_kv_heads;
   const int items = a.num_reqs * a.num_splits;
-  dim3 grid(a.num_ctas > 0 ? min(a.num_ctas, items) : items, decode_groups(a.num_heads, a.num_kv_heads));
+  dim3 grid(a.num_ctas > 0 ? min(a.num_ctas, items) : items, a.num_kv_heads * ceil_div(group, kHeadsPerCta));
   decode_kernel<T, D, MK, MV, LUT><<<grid, C::kThreads, smem, stream>>>(a);
   return cudaGetLastError();
 }

@@ -49,13 +49,6 @@ struct StoreArgs {
   DType dtype;
 };
 
-// Decode CTAs per (request, split): one per KV head and group of <= 8 of its query heads
-// (the MMA's width; ops.ctas_per_split).
-constexpr int kDecodeHeadsPerCta = 8;
-inline int decode_groups(int num_heads, int num_kv_heads) {
-  return num_kv_heads * ((num_heads / num_kv_heads + kDecodeHeadsPerCta - 1) / kDecodeHeadsPerCta);
-}
-
 struct DecodeArgs {
   Pages pages;
   const void* q;  // [R, Hq, D]
@@ -89,8 +82,6 @@ struct DecodeArgs {
   bool lut;       // score through Q.centroid lookup tables where supported (see pq_decode.cuh)
   float* ws_o;    // [R, Hq, num_splits, D]
   float* ws_lse;  // [R, Hq, num_splits] (log2 domain)
-  int32_t* ws_count;  // [R, decode_groups(Hq, kv_heads)] split arrivals: zero before a launch,
-                      // zero after it (num_splits > 1 only)
   DType dtype;
 };
 

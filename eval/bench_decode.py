@@ -103,13 +103,12 @@ def bench_pq(batch, ctx, ms, gen, hq=HQ, hkv=HKV, lut=False, per_item=False, min
     ctas = 0 if per_item else ops.num_ctas_for(ops.ctas_per_split(hq, hkv), sms)
     ws_o = torch.empty(batch * hq * splits * D, device="cuda")
     ws_lse = torch.empty(batch * hq * splits, device="cuda")
-    ws_count = torch.zeros(ops.workspace_counts(batch, hq, hkv), dtype=torch.int32, device="cuda")
 
     def run(i):
         torch.ops.pq_backend.decode(out, q, cache, tables[i], seq, cb[0], cb[1], books, win[0], win[1],
                                     rows, new_kv[0], new_kv[1], WINDOW, 0, splits, min_split, ctas,
                                     D**-0.5,
-                                    lut, ws_o, ws_lse, ws_count,
+                                    lut, ws_o, ws_lse,
                                     *lay.kernel_args())
 
     us = timed(run, n)

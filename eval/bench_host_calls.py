@@ -51,7 +51,7 @@ TORCH_LIBRARY_IMPL(NS, CPU, m) {
 IMPLS}
 """
 
-# The decode op's arguments as C++ parameters, bound with pybind11 (the same 28 values).
+# The decode op's arguments as C++ parameters, bound with pybind11 (the same 27 values).
 DIRECT_CPP = r"""
 #include <torch/extension.h>
 
@@ -60,8 +60,7 @@ void decode_direct(at::Tensor out, const at::Tensor& q, const at::Tensor& kv_cac
                    const at::Tensor& v_cb, const at::Tensor& books, at::Tensor win_k, at::Tensor win_v,
                    const at::Tensor& rows, const at::Tensor& new_k, const at::Tensor& new_v, int64_t window,
                    int64_t sliding_window, int64_t num_splits, int64_t min_split, int64_t num_ctas,
-                   double scale, bool lut, at::Tensor ws_o, at::Tensor ws_lse,
-                   at::Tensor ws_count, int64_t k_off, int64_t k_tok,
+                   double scale, bool lut, at::Tensor ws_o, at::Tensor ws_lse, int64_t k_off, int64_t k_tok,
                    int64_t v_off, int64_t v_sub, int64_t nan_code) {}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("decode", &decode_direct); }
@@ -107,7 +106,7 @@ def arguments():
     ints = lambda n, dtype=torch.int32: torch.zeros(n, dtype=dtype)  # noqa: E731
     decode = (t(8, 32, 128), q, cache, ints((8, 64)), ints(8), cb, cb, t(8, 131072, dtype=torch.uint8),
               win, win, ints(8), key, key, 128, 0, 2, 256, 66, 0.088, False, t(1 << 16, dtype=torch.float32),
-              t(1 << 12, dtype=torch.float32), ints(64), *lay)
+              t(1 << 12, dtype=torch.float32), *lay)
     return {
         "store": (cache, key, key, ints(8, torch.long), cb.float(), cb.float(), t(8, 64, 64, dtype=torch.uint8),
                   t(8, 64, 64, dtype=torch.uint8), *lay),

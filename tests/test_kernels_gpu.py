@@ -71,23 +71,14 @@ def run_kernel(c, splits, ctas=0, min_split=0):
     out = torch.full_like(c["q"], float("nan"))
     ws_o = torch.full((r * hq * splits * d,), float("nan"), device=DEV)
     ws_lse = torch.full((r * hq * splits,), float("nan"), device=DEV)
-    count = counters(c)
     empty = c["q"].new_empty(0)
     torch.ops.pq_backend.decode(
         out, c["q"], c["cache"], c["table"], c["seq"], c["k_cb"], c["v_cb"], book_image(c), c["win_k"],
         c["win_v"], c["rows"], c.get("new_k", empty), c.get("new_v", empty), c["window"],
-        c["sliding"], splits, min_split, ctas, c["scale"], c["lut"], ws_o, ws_lse, count,
+        c["sliding"], splits, min_split, ctas, c["scale"], c["lut"], ws_o, ws_lse,
         *c["lay"].kernel_args(),
     )
-    # the last CTA of each (request, head group) merged its splits and zeroed the counter
-    assert int(count.count_nonzero()) == 0, "split counters left non-zero"
     return out
-
-
-def counters(c):
-    """The decode op's split arrival counters for the case: zeros."""
-    r, hq, _ = c["q"].shape
-    return torch.zeros(ops.workspace_counts(r, hq, c["k_cb"].shape[0]), dtype=torch.int32, device=DEV)
 
 
 def run_reference(c):
@@ -226,6 +217,10 @@ def test_decode_ctas_take_items_in_turn(ctas, d, g, lut):
     want = run_kernel(c, splits=3)
     got = run_kernel(c, splits=3, ctas=ctas)
     assert torch.equal(got[:-1], want[:-1])
+    # one split: the items write the output themselves (no reduce), the padding request's zeros
+    one = run_kernel(c, splits=1, ctas=ctas)
+    assert torch.equal(one[-1], torch.zeros_like(one[-1]))
+    assert torch.equal(one[:-1], run_kernel(c, splits=1)[:-1])
     c["seq"][-1] = 1
     check(c, splits=3, tol=TOL[torch.bfloat16], ctas=ctas)
 
@@ -357,11 +352,10 @@ def test_decode_replays_in_a_cuda_graph():
     out = torch.empty_like(c["q"])
     ws_o = torch.empty(r * hq * 5 * d, device=DEV)
     ws_lse = torch.empty(r * hq * 5, device=DEV)
-    count = counters(c)
     empty, image = c["q"].new_empty(0), book_image(c)
     args = lambda: (out, c["q"], c["cache"], c["table"], c["seq"], c["k_cb"], c["v_cb"],  # noqa: E731
                     image, c["win_k"], c["win_v"], c["rows"], empty, empty, 128, 0, 4, 0, 3, c["scale"],
-                    False, ws_o, ws_lse, count, *c["lay"].kernel_args())
+                    False, ws_o, ws_lse, *c["lay"].kernel_args())
     torch.ops.pq_backend.decode(*args())  # warm up outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -521,8 +515,7 @@ def _decode_args(c, **over):
                 win_v=c["win_v"],
                 rows=c["rows"], new_k=empty, new_v=empty, window=c["window"], sliding=0, splits=2,
                 min_split=0, ctas=0, scale=c["scale"], lut=False,
-                ws_o=torch.empty(r * hq * 3 * d, device=DEV), ws_lse=torch.empty(r * hq * 3, device=DEV),
-                ws_count=counters(c))
+                ws_o=torch.empty(r * hq * 3 * d, device=DEV), ws_lse=torch.empty(r * hq * 3, device=DEV))
     args.update(over)
     return list(args.values()) + list(c["lay"].kernel_args())
 

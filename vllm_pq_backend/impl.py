@@ -79,11 +79,9 @@ class LayerState:
         self.prefill_scratch = ops.prefill_scratch_bytes(pages, impl.num_kv_heads, self.d,
                                                          self.layout, self.window,
                                                          envs.VLLM_BATCH_INVARIANT)
-        rows = ops.decode_rows(impl._vllm_config)
-        self.decode_workspace = 4 * (
-            (self.d + 1) * ops.workspace_slots(rows, impl.num_heads, impl.num_kv_heads,
-                                               ops.num_sms(device))
-            + ops.workspace_counts(rows, impl.num_heads, impl.num_kv_heads))
+        self.decode_workspace = 4 * (self.d + 1) * ops.workspace_slots(
+            ops.decode_rows(impl._vllm_config), impl.num_heads, impl.num_kv_heads,
+            ops.num_sms(device))
         if torch.device(device).type == "cuda":  # freed at once: the peak counts
             torch.empty(self.prefill_scratch + self.decode_workspace, dtype=torch.uint8,
                         device=device)

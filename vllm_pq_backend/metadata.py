@@ -155,7 +155,6 @@ class PQMetadata(AttentionMetadata):
     # group, allocated before CUDA graph capture and never reallocated
     ws_o: torch.Tensor | None = None
     ws_lse: torch.Tensor | None = None
-    ws_count: torch.Tensor | None = None  # and its split arrival counters (ops.workspace_counts)
 
 
 def upload(arrays: list[np.ndarray], device) -> list[torch.Tensor]:
@@ -419,17 +418,15 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
         group = max(1, q_heads // kv_heads)
         self.ctas_per_split = ops.ctas_per_split(q_heads, kv_heads)
         self.codes_shape = CodesShape(group, kv_cache_spec.head_size, kv_heads, self.num_sms)
-        self.ws_o = self.ws_lse = self.ws_count = None
+        self.ws_o = self.ws_lse = None
         if dev.type == "cuda":
             # (LayerState reserves these bytes in the profiling run: vLLM sizes the KV cache
             # before it builds this)
-            rows = ops.decode_rows(vllm_config)
-            slots = ops.workspace_slots(rows, q_heads, kv_heads, self.num_sms)
+            slots = ops.workspace_slots(ops.decode_rows(vllm_config), q_heads, kv_heads,
+                                        self.num_sms)
             self.ws_o = torch.empty(slots * kv_cache_spec.head_size, dtype=torch.float32,
                                     device=dev)
             self.ws_lse = torch.empty(slots, dtype=torch.float32, device=dev)
-            self.ws_count = torch.zeros(ops.workspace_counts(rows, q_heads, kv_heads),
-                                        dtype=torch.int32, device=dev)
         self.batch_invariant = bool(envs.VLLM_BATCH_INVARIANT)
         if self.batch_invariant:
             logger.info(
@@ -515,5 +512,4 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
             batch_invariant=self.batch_invariant,
             ws_o=self.ws_o,
             ws_lse=self.ws_lse,
-            ws_count=self.ws_count,
         )

@@ -117,13 +117,6 @@ def workspace_slots(max_decodes: int, q_heads: int, kv_heads: int, num_sms: int)
     return max(n * q_heads * num_splits_for(n, ctas, num_sms) for n in range(1, max_decodes + 1))
 
 
-def workspace_counts(max_decodes: int, q_heads: int, kv_heads: int) -> int:
-    """Split arrival counters (int32 zeros) the decode kernel needs for up to ``max_decodes``
-    requests: one per (request, CTA group); the last CTA of a group to finish merges the
-    group's splits and leaves its counter zero again."""
-    return max_decodes * ctas_per_split(q_heads, kv_heads)
-
-
 def decode_rows(vllm_config) -> int:
     """Most rows one decode step can pass the kernel: max_num_seqs, or a larger CUDA graph
     capture size (graphs pad a batch up to one)."""
@@ -188,7 +181,7 @@ def decode(out, query, key, value, kv_cache, md, state, scale: float) -> None:
             key if w > 0 else empty(), value if w > 0 else empty(),
             w, state.sliding_window, md.num_splits, MIN_SPLIT_TOKENS, md.num_ctas, scale,
             lut_scores(hq, state.k_cb.shape[0], state.d, state.layout.m_k),
-            ws_o, ws_lse, md.ws_count, *state.layout.kernel_args(),
+            ws_o, ws_lse, *state.layout.kernel_args(),
         )
         return
     if w > 0:

@@ -74,10 +74,11 @@ def copies_for(nbytes: int) -> int:
     return max(1, min(8, math.ceil(L2_FLUSH / max(nbytes, 1))))
 
 
-def bench_pq(batch, ctx, ms, gen, hq=HQ, hkv=HKV, lut=False, per_item=False, min_split=None):
+def bench_pq(batch, ctx, ms, gen, hq=HQ, hkv=HKV, lut=False, per_item=False, min_split=None, kernels=False):
     """``ms``: (Mk, Mv), K and V subspaces per head; ``per_item``: a CTA per (request,
     split) item instead of the backend's CTAs that take items in turn; ``min_split``: the
-    kernel's shortest split (default the backend's, 0: even splits)."""
+    kernel's shortest split (default the backend's, 0: even splits); ``kernels``: also each
+    kernel's own device time (kernel_times)."""
     from vllm_pq_backend import ops
     from vllm_pq_backend.layout import PageLayout
 
@@ -113,7 +114,25 @@ def bench_pq(batch, ctx, ms, gen, hq=HQ, hkv=HKV, lut=False, per_item=False, min
 
     us = timed(run, n)
     must_read = code_bytes + 2 * hkv * 256 * D * 2  # codes + codebooks once
-    return us, must_read, splits
+    return us, must_read, splits, kernel_times(run, n) if kernels else {}
+
+
+def kernel_times(fn_for_copy, n_copies: int, reps: int = 20) -> dict:
+    """Device microseconds per call of each CUDA kernel ``fn_for_copy`` launches, by kernel
+    (torch.profiler, eager launches after the graph-timed run: the kernels' own durations;
+    the graph's time less their sum is what launching and the gaps between them cost)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(reps):
+            fn_for_copy(i % n_copies)
+        torch.cuda.synchronize()
+    times = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            name = e.name.split("<")[0].split("::")[-1].removeprefix("void ")
+            times[name] = times.get(name, 0.0) + e.time_range.elapsed_us() / reps
+    return {k: round(v, 2) for k, v in times.items()}
 
 
 def bench_fa3(batch, ctx, block, gen, hq=HQ, hkv=HKV):
@@ -177,7 +196,7 @@ def g_sweep(args, gen) -> list[dict]:
             for batch in args.batches:
                 fa = min(bench_fa3(batch, ctx, blk, gen, hq=8 * g, hkv=8)[0] for blk in (16, 128))
                 for bits, ms in args.settings:
-                    mma, _, splits = bench_pq(batch, ctx, ms, gen, hq=8 * g, hkv=8, lut=False)
+                    mma, _, splits, _ = bench_pq(batch, ctx, ms, gen, hq=8 * g, hkv=8, lut=False)
                     lut = bench_pq(batch, ctx, ms, gen, hq=8 * g, hkv=8, lut=True)[0] if g == 1 else None
                     best = min(mma, lut or mma)
                     rows.append(dict(g=g, context=ctx, batch=batch, bits=bits, M_k=ms[0], M_v=ms[1],
@@ -206,6 +225,8 @@ def main() -> int:
                    help="also time CUSTOM with a CTA per (request, split) item (custom_per_item_us)")
     p.add_argument("--min-split", type=int, default=None,
                    help="the kernel's shortest split in tokens (default the backend's; 0: even splits)")
+    p.add_argument("--kernel-times", action="store_true",
+                   help="also each CUDA kernel's own device time per call (custom_kernel_us, torch.profiler)")
     p.add_argument("--out", default="eval/results/decode_kernel.json")
     args = p.parse_args()
     from vllm_pq_backend import ops
@@ -237,7 +258,8 @@ def main() -> int:
             fa128, _ = bench_fa3(batch, ctx, 128, gen, hq, hkv)
             tq, tq_bytes = (nan, 0) if args.no_turboquant else bench_turboquant(batch, ctx, gen, hq, hkv)
             for bits, ms in args.settings:
-                us, must, splits = bench_pq(batch, ctx, ms, gen, hq, hkv, min_split=args.min_split)
+                us, must, splits, ktimes = bench_pq(batch, ctx, ms, gen, hq, hkv, min_split=args.min_split,
+                                                    kernels=args.kernel_times)
                 per_item = (bench_pq(batch, ctx, ms, gen, hq, hkv, per_item=True, min_split=args.min_split)[0]
                             if args.per_item else nan)
                 fa = min(fa16, fa128)
@@ -252,6 +274,7 @@ def main() -> int:
                     custom_pct_copy=round(100 * gbs / copy_gbs, 1), splits=splits,
                     min_split=ops.MIN_SPLIT_TOKENS if args.min_split is None else args.min_split,
                     custom_per_item_us=_num(per_item, 2),
+                    **(dict(custom_kernel_us=ktimes) if args.kernel_times else {}),
                 ))
                 print(f"{ctx:7d} {batch:5d} {bits:>4} | {us:9.1f} {fa16:8.1f}/{fa128:<8.1f} {tq:8.1f} | "
                       f"{fa / us:5.2f} {tq / us:5.2f} | {gbs:7.0f} ({100 * gbs / copy_gbs:4.1f}%)", flush=True)

@@ -1,5 +1,7 @@
-// Decode entry point: picks the (dtype, head_dim, Mk, Mv) instantiation, then merges the
-// split results by their log-sum-exp. The instantiations live in generated units
+// Decode entry point: picks the (dtype, head_dim, Mk, Mv) instantiation, then, with more
+// than one split, merges the split results by their log-sum-exp (a kernel of its own: the
+// last CTA of each request merging them in place was slower, eval/results/decode_splits_f23ed56/).
+// The instantiations live in generated units
 // (csrc/gen_units.py, which also writes the list of cases below) so that they compile
 // in parallel.
 #include <math_constants.h>

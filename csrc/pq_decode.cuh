@@ -38,7 +38,8 @@
 // * Output dims are permuted back at the end: tile (q, u) rows r / r+8 are dims
 //   (8q + r) * D/M + 2u + {0, 1}.
 // Scores go through exp2 with scale*log2(e); partial results are normalized with their
-// log2-sum-exp and merged by reduce_kernel. The last split with codes also reads the
+// log2-sum-exp and merged by reduce_kernel (pq_decode.cu), or, where a step has one split,
+// are the output, which the items write themselves. The last split with codes also reads the
 // full-precision window store (its own CTAs would each reserve the codebooks' shared memory
 // for nothing).
 #pragma once

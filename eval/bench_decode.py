@@ -1,6 +1,6 @@
 """Decode attention side by side at Llama-3-8B shapes (32 query heads, 8 KV heads, d=128;
 ``--shape qwen2.5-7b``: 28 query heads, 4 KV heads):
-CUSTOM (PQ CUDA kernels, window 128) vs FA3 paged decode (vllm_flash_attn, bf16 K/V,
+CUSTOM (PQ CUDA kernels, window 128 or --window) vs FA3 paged decode (vllm_flash_attn, bf16 K/V,
 pages of 16 and 128 tokens, the faster reported) vs TURBOQUANT 4bit_nc decode (Triton),
 with a device-to-device copy measured in the same run as the bandwidth ceiling.
 
@@ -74,7 +74,8 @@ def copies_for(nbytes: int) -> int:
     return max(1, min(8, math.ceil(L2_FLUSH / max(nbytes, 1))))
 
 
-def bench_pq(batch, ctx, ms, gen, hq=HQ, hkv=HKV, lut=False, per_item=False, min_split=None, kernels=False):
+def bench_pq(batch, ctx, ms, gen, hq=HQ, hkv=HKV, lut=False, per_item=False, min_split=None, kernels=False,
+             window=WINDOW):
     """``ms``: (Mk, Mv), K and V subspaces per head; ``per_item``: a CTA per (request,
     split) item instead of the backend's CTAs that take items in turn; ``min_split``: the
     kernel's shortest split (default the backend's, 0: even splits); ``kernels``: also each
@@ -93,7 +94,7 @@ def bench_pq(batch, ctx, ms, gen, hq=HQ, hkv=HKV, lut=False, per_item=False, min
     cb = [torch.randn(hkv, m, 256, D // m, **bf16) for m in ms]
     books = torch.ops.pq_backend.decode_books(*cb)  # the kernel's shared-memory image, once
     rows = torch.arange(batch, dtype=torch.int32, device="cuda")
-    win = [torch.randn(batch, hkv, WINDOW, D, **bf16) for _ in range(2)]
+    win = [torch.randn(batch, hkv, max(window, 1), D, **bf16) for _ in range(2)]
     q = torch.randn(batch, hq, D, **bf16)
     new_kv = [torch.randn(batch, hkv, D, **bf16) for _ in range(2)]  # the kernel writes them
     out = torch.empty_like(q)
@@ -107,7 +108,7 @@ def bench_pq(batch, ctx, ms, gen, hq=HQ, hkv=HKV, lut=False, per_item=False, min
 
     def run(i):
         torch.ops.pq_backend.decode(out, q, cache, tables[i], seq, cb[0], cb[1], books, win[0], win[1],
-                                    rows, new_kv[0], new_kv[1], WINDOW, 0, splits, min_split, ctas,
+                                    rows, new_kv[0], new_kv[1], window, 0, splits, min_split, ctas,
                                     D**-0.5,
                                     lut, ws_o, ws_lse,
                                     *lay.kernel_args())
@@ -225,6 +226,8 @@ def main() -> int:
                    help="also time CUSTOM with a CTA per (request, split) item (custom_per_item_us)")
     p.add_argument("--min-split", type=int, default=None,
                    help="the kernel's shortest split in tokens (default the backend's; 0: even splits)")
+    p.add_argument("--window", type=int, default=WINDOW,
+                   help="CUSTOM's full-precision window in tokens (0: every key from the codes)")
     p.add_argument("--kernel-times", action="store_true",
                    help="also each CUDA kernel's own device time per call (custom_kernel_us, torch.profiler)")
     p.add_argument("--out", default="eval/results/decode_kernel.json")
@@ -259,8 +262,9 @@ def main() -> int:
             tq, tq_bytes = (nan, 0) if args.no_turboquant else bench_turboquant(batch, ctx, gen, hq, hkv)
             for bits, ms in args.settings:
                 us, must, splits, ktimes = bench_pq(batch, ctx, ms, gen, hq, hkv, min_split=args.min_split,
-                                                    kernels=args.kernel_times)
-                per_item = (bench_pq(batch, ctx, ms, gen, hq, hkv, per_item=True, min_split=args.min_split)[0]
+                                                    kernels=args.kernel_times, window=args.window)
+                per_item = (bench_pq(batch, ctx, ms, gen, hq, hkv, per_item=True, min_split=args.min_split,
+                                     window=args.window)[0]
                             if args.per_item else nan)
                 fa = min(fa16, fa128)
                 gbs = must / (us * 1e-6) / 1e9
@@ -279,7 +283,7 @@ def main() -> int:
                 print(f"{ctx:7d} {batch:5d} {bits:>4} | {us:9.1f} {fa16:8.1f}/{fa128:<8.1f} {tq:8.1f} | "
                       f"{fa / us:5.2f} {tq / us:5.2f} | {gbs:7.0f} ({100 * gbs / copy_gbs:4.1f}%)", flush=True)
         result = dict(stamp, shapes=dict(model=args.shape, q_heads=hq, kv_heads=hkv, head_dim=D, pq_block=PQ_BLOCK,
-                      window=WINDOW), copy_gbs=round(copy_gbs, 1), rows=rows)
+                      window=args.window), copy_gbs=round(copy_gbs, 1), rows=rows)
         with open(args.out, "w") as f:  # after each context: a cut-short run keeps its rows
             json.dump(result, f, indent=1)
     print(f"wrote {args.out}")

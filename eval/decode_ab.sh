@@ -17,6 +17,7 @@ mkdir -p "$out"
 so=$(ls vllm_pq_backend/_C*.so)
 cp "$so" "$out/new.so"
 tree=$(mktemp -d)
+trap 'cp "$out/new.so" "$so"; rm -rf "$tree"' EXIT  # this checkout's build back; no copy left
 cp -r csrc vllm_pq_backend setup.py pyproject.toml "$tree/"
 if [ -d "$base" ]; then
   cp "$base/pq_decode.cu" "$base/pq_decode.cuh" "$tree/csrc/"
@@ -28,7 +29,6 @@ fi
 rm -f "$tree"/vllm_pq_backend/_C*.so
 (cd "$tree" && python3 setup.py build_ext --inplace > "$out/base_build.log" 2>&1 && cp vllm_pq_backend/_C*.so "$out/base.so") &
 build=$!
-trap 'cp "$out/new.so" "$so"' EXIT
 python3 -m pytest -q tests/test_kernels_gpu.py | tail -2
 wait $build
 for shape in llama3-8b qwen2.5-7b; do

@@ -145,6 +145,49 @@ __device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, b
 
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
+// From sm_90: an mbarrier with a transaction count, and bulk copies (TMA) that complete on one.
+// Builds for older GPUs compile these to traps; their callers take cp.async paths there.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define PQ_SM90(...) __trap()
+#else
+#define PQ_SM90(...) __VA_ARGS__
+#endif
+
+// An mbarrier in shared memory for one arrival and `bytes` of bulk copies. The caller makes
+// the init visible to the other threads (a barrier) before they wait on it.
+__device__ __forceinline__ void mbar_init_expect(uint64_t* bar, uint32_t bytes) {
+  const uint32_t b = static_cast<uint32_t>(__cvta_generic_to_shared(bar));
+  PQ_SM90(asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n"
+                       "fence.mbarrier_init.release.cluster;\n"
+                       "mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(b),
+                       "r"(bytes)
+                       : "memory"));
+}
+
+// Wait until the barrier's phase `parity` has completed: its bytes have landed and are visible.
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  const uint32_t b = static_cast<uint32_t>(__cvta_generic_to_shared(bar));
+  PQ_SM90(asm volatile("{\n"
+                       ".reg .pred done;\n"
+                       "WAIT:\n"
+                       "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                       "@!done bra WAIT;\n"
+                       "}\n" ::"r"(b),
+                       "r"(parity)
+                       : "memory"));
+}
+
+// `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to shared memory
+// as one bulk copy, which signals `bar` as it lands.
+__device__ __forceinline__ void bulk_copy(void* smem, const void* gmem, uint32_t bytes, uint64_t* bar) {
+  PQ_SM90(asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+          static_cast<uint32_t>(__cvta_generic_to_shared(smem))),
+      "l"(gmem), "r"(bytes), "r"(static_cast<uint32_t>(__cvta_generic_to_shared(bar)))
+      : "memory"));
+}
+#undef PQ_SM90
+
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 }  // namespace pq

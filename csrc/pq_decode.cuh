@@ -115,7 +115,9 @@ struct DecodeCfg {
   // its K and V offset words and two rotation selectors
   static constexpr int kLaneWords = (NK + 1) / 2 + (NV + 1) / 2 + 2;
   static constexpr int kLaneBytes = kCbSmem ? 32 * 4 * kLaneWords : 0;
-  static constexpr int smem_bytes(int reserved) { return stage_at(reserved) + kStageBytes + kLaneBytes; }
+  // then the mbarrier that the codebook image's bulk copy signals (load_books)
+  static constexpr int kBarBytes = kCbSmem ? 16 : 0;
+  static constexpr int smem_bytes(int reserved) { return stage_at(reserved) + kStageBytes + kLaneBytes + kBarBytes; }
   static_assert(DSK >= 2 && DSK <= 8 && DSV >= 2 && DSV <= 8 && D % 16 == 0 && MK % 8 == 0 &&
                 MV % 8 == 0, "unsupported D/M");
   static_assert(VSUB * DWV == NT, "tiles");
@@ -381,13 +383,29 @@ struct DecodeCta {
     }
   }
 
-  // The codebook image into shared memory, every 16-byte piece one asynchronous copy, all
-  // in flight at once (the caller waits). With LUT the K part is each request's
-  // Q.centroid table (build_lut) instead.
+  // The codebook image into shared memory (wait_books waits for it). With LUT the K part is
+  // each request's Q.centroid table (build_lut) instead. From sm_90 one bulk copy issued by
+  // one thread, completing on its own mbarrier, apart from the codes' cp.async copies: so a
+  // warp starts once its own codes and the image are in, not once every warp's codes are
+  // (eval/results/decode_stamps_*); before sm_90 every 16-byte piece is a cp.async copy.
   template <bool LUT>
-  __device__ void load_books() const {
-    const int lo = (LUT && D == 128) ? C::kVBase : 0;
+  __device__ void load_books(uint64_t* bar) const {
+    constexpr int lo = (LUT && D == 128) ? C::kVBase : 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
     for (int u = lo + 16 * threadIdx.x; u < C::kImgBytes; u += 16 * C::kThreads) cp_async16(bsm + u, img + u);
+#else
+    if (threadIdx.x == 0) bulk_copy(bsm + lo, img + lo, C::kImgBytes - lo, bar);
+#endif
+  }
+
+  // Every thread: the image is in shared memory and visible (before sm_90 the barrier after
+  // this publishes the pieces this thread did not copy).
+  __device__ static void wait_books(uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+    cp_async_wait_all();
+#else
+    mbar_wait(bar, 0);
+#endif
   }
 
   __device__ void build_lut(const T* qh) const {
@@ -450,16 +468,24 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
   const int img_at = C::img_at(static_cast<uint32_t>(__cvta_generic_to_shared(pq_smem)));
   // (the launch sized shared memory for the window starting at the reserved bytes)
   const int stage_at = C::stage_at(static_cast<uint32_t>(__cvta_generic_to_shared(pq_smem)));
-  if (stage_at + C::kStageBytes + C::kLaneBytes > (int)dynamic_smem_bytes()) __trap();
+  if (stage_at + C::kStageBytes + C::kLaneBytes + C::kBarBytes > (int)dynamic_smem_bytes()) __trap();
   uint32_t* lane_table = reinterpret_cast<uint32_t*>(pq_smem + stage_at + C::kStageBytes);
+  uint64_t* books_bar = reinterpret_cast<uint64_t*>(pq_smem + stage_at + C::kStageBytes + C::kLaneBytes);
   // The codebooks, once for all of this CTA's items, in flight while the first codes load.
   bool books_ready = !C::kCbSmem;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  constexpr bool kBooksByCpAsync = true;  // (load_books)
+#else
+  constexpr bool kBooksByCpAsync = false;
+#endif
   uint8_t* stage = pq_smem + stage_at + warp * kChunk * MK;  // K codes, past the codebooks
   uint8_t* vstage = pq_smem + warp * kChunk * MV;             // V codes, in the reduction region
   if constexpr (C::kCbSmem) {
     DecodeCta<T, D, MK, MV> first(a, 0, hkv, r, c, nullptr, 0, img_at, stage, vstage);
-    first.template load_books<LUT>();
-    if (warp == 0) first.lk.save(lane_table, lane);  // published by the books' barrier
+    if (threadIdx.x == 0) mbar_init_expect(books_bar, C::kImgBytes - ((LUT && D == 128) ? C::kVBase : 0));
+    first.template load_books<LUT>(books_bar);
+    if (warp == 0) first.lk.save(lane_table, lane);
+    __syncthreads();  // the lane table and the barrier's init are visible
   }
 
   for (int item = blockIdx.x; item < a.num_reqs * slots; item += gridDim.x) {
@@ -493,6 +519,11 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
 
     if (item != (int)blockIdx.x) __syncthreads();  // the reduction region's readers are done (V staging)
     DecodeCta<T, D, MK, MV> cta(a, req, hkv, r, c, a.block_table + (int64_t)req * a.bt_stride, n_codes, img_at, stage, vstage);
+    // This warp's first codes are requested before anything else of the item: their HBM
+    // latency is the longest wait of its start.
+    const int first = (t_begin / kChunk) * kChunk;
+    int t0 = first + warp * kChunk;
+    if (has_codes && t0 < t_end) cta.stage_codes(t0);
     if (has_win) {
       const int64_t row = ((int64_t)a.rows[req] * a.num_kv_heads + hkv) * a.window * D;
       cta.wk = static_cast<const T*>(a.win_k) + row;
@@ -639,14 +670,12 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
     constexpr int stride = C::kWarps * kChunk;
     int code_chunks = 0;
     if (has_codes) {
-      const int first = (t_begin / kChunk) * kChunk;
       code_chunks = ceil_div(t_end - first, kChunk);
-      int t0 = first + warp * kChunk;
-      if (t0 < t_end) cta.stage_codes(t0);  // in flight while the codebooks arrive
       if constexpr (C::kCbSmem) {
-        if (LUT || !books_ready) {  // the copies (and this item's LUT) are visible after
-          cp_async_wait_all();
-          __syncthreads();
+        if (LUT || !books_ready) {
+          cta.wait_books(books_bar);
+          // this item's LUT (before sm_90 also the image's pieces) visible after a barrier
+          if (LUT || kBooksByCpAsync) __syncthreads();
           books_ready = true;
         }
       }
@@ -712,7 +741,10 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
       if (dim == 0) lse_out[head * slots] = den != 0.f ? mstar + log2f(den) : -CUDART_INF_F;
     }
   }
-  if constexpr (C::kCbSmem) cp_async_wait_all();  // no copy outlives the CTA (items all empty)
+  if constexpr (C::kCbSmem) {  // no copy outlives the CTA (its items had no codes)
+    cp_async_wait_all();
+    if (!books_ready) DecodeCta<T, D, MK, MV>::wait_books(books_bar);
+  }
 }
 
 // Every KV head's codebook image: K entry (s, code) at code * kRow + 4 k_word(s), V entry

@@ -387,7 +387,7 @@ struct DecodeCta {
   // each request's Q.centroid table (build_lut) instead. From sm_90 one bulk copy issued by
   // one thread, completing on its own mbarrier, apart from the codes' cp.async copies: so a
   // warp starts once its own codes and the image are in, not once every warp's codes are
-  // (eval/results/decode_stamps_*); before sm_90 every 16-byte piece is a cp.async copy.
+  // (eval/results/decode_early_222e411/); before sm_90 every 16-byte piece is a cp.async copy.
   template <bool LUT>
   __device__ void load_books(uint64_t* bar) const {
     constexpr int lo = (LUT && D == 128) ? C::kVBase : 0;

@@ -146,8 +146,7 @@ __device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, b
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
 // From sm_90: an mbarrier with a transaction count, and bulk copies (TMA) that complete on one.
-// Builds for older GPUs compile the wait and the copy to traps; their callers take cp.async
-// paths there.
+// Builds for older GPUs compile these to traps; their callers take cp.async paths there.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 #define PQ_SM90(...) __trap()
 #else
@@ -155,17 +154,14 @@ __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wai
 #endif
 
 // An mbarrier in shared memory for one arrival and `bytes` of bulk copies. The caller makes
-// the init visible to the other threads (a barrier) before they wait on it. (Before sm_90
-// nothing: no bulk copy signals it and nobody waits on it there.)
+// the init visible to the other threads (a barrier) before they wait on it.
 __device__ __forceinline__ void mbar_init_expect(uint64_t* bar, uint32_t bytes) {
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
   const uint32_t b = static_cast<uint32_t>(__cvta_generic_to_shared(bar));
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n"
-               "fence.mbarrier_init.release.cluster;\n"
-               "mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(b),
-               "r"(bytes)
-               : "memory");
-#endif
+  PQ_SM90(asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n"
+                       "fence.mbarrier_init.release.cluster;\n"
+                       "mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(b),
+                       "r"(bytes)
+                       : "memory"));
 }
 
 // Wait until the barrier's phase `parity` has completed: its bytes have landed and are visible.

@@ -388,21 +388,26 @@ struct DecodeCta {
   // one thread, completing on its own mbarrier, apart from the codes' cp.async copies: so a
   // warp starts once its own codes and the image are in, not once every warp's codes are
   // (eval/results/decode_early_222e411/); before sm_90 every 16-byte piece is a cp.async copy.
+  // The caller makes `bar`'s init visible (a barrier) before anyone waits on it.
   template <bool LUT>
   __device__ void load_books(uint64_t* bar) const {
     constexpr int lo = (LUT && D == 128) ? C::kVBase : 0;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
     for (int u = lo + 16 * threadIdx.x; u < C::kImgBytes; u += 16 * C::kThreads) cp_async16(bsm + u, img + u);
 #else
-    if (threadIdx.x == 0) bulk_copy(bsm + lo, img + lo, C::kImgBytes - lo, bar);
+    if (threadIdx.x == 0) {
+      mbar_init_expect(bar, C::kImgBytes - lo);
+      bulk_copy(bsm + lo, img + lo, C::kImgBytes - lo, bar);
+    }
 #endif
   }
 
-  // Every thread: the image is in shared memory and visible (before sm_90 the barrier after
-  // this publishes the pieces this thread did not copy).
+  // Every thread of the CTA: the image is in shared memory and visible to all (before sm_90
+  // after a barrier, which publishes the pieces other threads copied).
   __device__ static void wait_books(uint64_t* bar) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
     cp_async_wait_all();
+    __syncthreads();
 #else
     mbar_wait(bar, 0);
 #endif
@@ -473,16 +478,10 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
   uint64_t* books_bar = reinterpret_cast<uint64_t*>(pq_smem + stage_at + C::kStageBytes + C::kLaneBytes);
   // The codebooks, once for all of this CTA's items, in flight while the first codes load.
   bool books_ready = !C::kCbSmem;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-  constexpr bool kBooksByCpAsync = true;  // (load_books)
-#else
-  constexpr bool kBooksByCpAsync = false;
-#endif
   uint8_t* stage = pq_smem + stage_at + warp * kChunk * MK;  // K codes, past the codebooks
   uint8_t* vstage = pq_smem + warp * kChunk * MV;             // V codes, in the reduction region
   if constexpr (C::kCbSmem) {
     DecodeCta<T, D, MK, MV> first(a, 0, hkv, r, c, nullptr, 0, img_at, stage, vstage);
-    if (threadIdx.x == 0) mbar_init_expect(books_bar, C::kImgBytes - ((LUT && D == 128) ? C::kVBase : 0));
     first.template load_books<LUT>(books_bar);
     if (warp == 0) first.lk.save(lane_table, lane);
     __syncthreads();  // the lane table and the barrier's init are visible
@@ -674,8 +673,7 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
       if constexpr (C::kCbSmem) {
         if (LUT || !books_ready) {
           cta.wait_books(books_bar);
-          // this item's LUT (before sm_90 also the image's pieces) visible after a barrier
-          if (LUT || kBooksByCpAsync) __syncthreads();
+          if (LUT) __syncthreads();  // this item's LUT is visible
           books_ready = true;
         }
       }

@@ -186,22 +186,6 @@ __device__ __forceinline__ void bulk_copy(void* smem, const void* gmem, uint32_t
       "l"(gmem), "r"(bytes), "r"(static_cast<uint32_t>(__cvta_generic_to_shared(bar)))
       : "memory"));
 }
-
-// Programmatic dependent launch (sm_90; nothing before): a grid lets the next kernel of its
-// stream, if launched with programmaticStreamSerializationAllowed, be scheduled before it ends
-// (launch_dependents), and that kernel waits for its prerequisite grids to complete with
-// their writes visible (dependency_wait) before it reads them.
-__device__ __forceinline__ void grid_launch_dependents() {
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void grid_dependency_wait() {
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
 #undef PQ_SM90
 
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }

@@ -20,7 +20,6 @@ namespace {
 // out[req, head] = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max), skipping empty splits.
 template <typename T>
 __global__ void reduce_kernel(DecodeArgs a) {
-  grid_dependency_wait();  // the decode grid's results (launched early: decode_typed)
   const int req = blockIdx.x, head = blockIdx.y, slots = a.num_splits, d = a.head_dim;
   const int64_t base = ((int64_t)req * a.num_heads + head) * slots;
   const float* lse = a.ws_lse + base;
@@ -54,25 +53,8 @@ cudaError_t decode_typed(const DecodeArgs& a, cudaStream_t stream) {
     default: return cudaErrorInvalidValue;
   }
   if (err != cudaSuccess || a.num_splits == 1) return err;  // one split: the kernel wrote out
-  // From sm_90 the reduce is a programmatic dependent launch: the decode kernel lets it be
-  // scheduled while its CTAs run (on SMs they leave free, and as they end), so that it starts
-  // as the decode grid completes rather than a launch later; it waits for the decode grid's
-  // writes itself (reduce_kernel). Set per call: the attribute needs the current device's
-  // compute capability.
-  int dev = 0, major = 0;
-  err = cudaGetDevice(&dev);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-  if (err != cudaSuccess) return err;
-  cudaLaunchAttribute early;
-  early.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  early.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(a.num_reqs, a.num_heads);
-  cfg.blockDim = dim3(128);
-  cfg.stream = stream;
-  cfg.attrs = &early;
-  cfg.numAttrs = major >= 9 ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, reduce_kernel<T>, a);
+  reduce_kernel<T><<<dim3(a.num_reqs, a.num_heads), 128, 0, stream>>>(a);
+  return cudaGetLastError();
 }
 
 template <typename T>

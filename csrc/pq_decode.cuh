@@ -390,7 +390,7 @@ struct DecodeCta {
   // is each request's Q.centroid table (build_lut) instead. From sm_90 bulk copies issued by
   // one thread, completing on mbarriers of their own, apart from the codes' cp.async copies:
   // so a warp starts once its own codes and K's rows are in, not once every warp's codes and
-  // the whole image are (eval/results/decode_early_222e411/, decode_kfirst_*/); before sm_90
+  // the whole image are (eval/results/decode_early_222e411/, decode_kfirst_de98480/); before sm_90
   // every 16-byte piece is a cp.async copy. bar[0]: K's rows (the whole image at head_dim 64),
   // bar[1]: V's rows (head_dim 128). The caller makes the inits visible (a barrier) before
   // anyone waits on them.
@@ -507,7 +507,6 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
     if (warp == 0) first.lk.save(lane_table, lane);
     __syncthreads();  // the lane table and the barriers' inits are visible
   }
-  grid_launch_dependents();  // the reduce may be scheduled now (pq_decode.cu): it waits for this grid
 
   for (int item = blockIdx.x; item < a.num_reqs * slots; item += gridDim.x) {
     const int req = item / slots, slot = item % slots;

@@ -115,10 +115,7 @@ struct DecodeCfg {
   // its K and V offset words and two rotation selectors
   static constexpr int kLaneWords = (NK + 1) / 2 + (NV + 1) / 2 + 2;
   static constexpr int kLaneBytes = kCbSmem ? 32 * 4 * kLaneWords : 0;
-  // then the mbarriers that the codebook image's bulk copies signal (load_books): K's rows
-  // and V's rows as two copies where they are two ranges (head_dim 128), K's first, so that
-  // a warp's first scores wait for half of the image; at head_dim 64 a row holds both.
-  static constexpr bool kSplitBooks = D == 128;
+  // then the mbarrier that the codebook image's bulk copy signals (load_books)
   static constexpr int kBarBytes = kCbSmem ? 16 : 0;
   static constexpr int smem_bytes(int reserved) { return stage_at(reserved) + kStageBytes + kLaneBytes + kBarBytes; }
   static_assert(DSK >= 2 && DSK <= 8 && DSV >= 2 && DSV <= 8 && D % 16 == 0 && MK % 8 == 0 &&
@@ -386,51 +383,33 @@ struct DecodeCta {
     }
   }
 
-  // The codebook image into shared memory (wait_k / wait_v wait for it). With LUT the K part
-  // is each request's Q.centroid table (build_lut) instead. From sm_90 bulk copies issued by
-  // one thread, completing on mbarriers of their own, apart from the codes' cp.async copies:
-  // so a warp starts once its own codes and K's rows are in, not once every warp's codes and
-  // the whole image are (eval/results/decode_early_222e411/, decode_kfirst_de98480/); before sm_90
-  // every 16-byte piece is a cp.async copy. bar[0]: K's rows (the whole image at head_dim 64),
-  // bar[1]: V's rows (head_dim 128). The caller makes the inits visible (a barrier) before
-  // anyone waits on them.
-  static constexpr int kFirstEnd = C::kSplitBooks ? C::kVBase : C::kImgBytes;
+  // The codebook image into shared memory (wait_books waits for it). With LUT the K part is
+  // each request's Q.centroid table (build_lut) instead. From sm_90 one bulk copy issued by
+  // one thread, completing on its own mbarrier, apart from the codes' cp.async copies: so a
+  // warp starts once its own codes and the image are in, not once every warp's codes are
+  // (eval/results/decode_early_222e411/); before sm_90 every 16-byte piece is a cp.async copy.
+  // The caller makes `bar`'s init visible (a barrier) before anyone waits on it.
   template <bool LUT>
   __device__ void load_books(uint64_t* bar) const {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
     constexpr int lo = (LUT && D == 128) ? C::kVBase : 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
     for (int u = lo + 16 * threadIdx.x; u < C::kImgBytes; u += 16 * C::kThreads) cp_async16(bsm + u, img + u);
 #else
     if (threadIdx.x == 0) {
-      if (!(LUT && C::kSplitBooks)) {
-        mbar_init_expect(bar, kFirstEnd);
-        bulk_copy(bsm, img, kFirstEnd, bar);
-      }
-      if (C::kSplitBooks) {
-        mbar_init_expect(bar + 1, C::kImgBytes - C::kVBase);
-        bulk_copy(bsm + C::kVBase, img + C::kVBase, C::kImgBytes - C::kVBase, bar + 1);
-      }
+      mbar_init_expect(bar, C::kImgBytes - lo);
+      bulk_copy(bsm + lo, img + lo, C::kImgBytes - lo, bar);
     }
 #endif
   }
 
-  // Every thread of the CTA: what scores read (K's rows; nothing more with LUT) is in shared
-  // memory and visible to all. Before sm_90 the whole image, after a barrier, which publishes
-  // the pieces other threads copied.
-  template <bool LUT>
-  __device__ static void wait_k(uint64_t* bar) {
+  // Every thread of the CTA: the image is in shared memory and visible to all (before sm_90
+  // after a barrier, which publishes the pieces other threads copied).
+  __device__ static void wait_books(uint64_t* bar) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
     cp_async_wait_all();
     __syncthreads();
 #else
-    if (!(LUT && C::kSplitBooks)) mbar_wait(bar, 0);
-#endif
-  }
-
-  // ... and V's rows (before sm_90 wait_k waited for them).
-  __device__ static void wait_v(uint64_t* bar) {
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
-    if (C::kSplitBooks) mbar_wait(bar + 1, 0);
+    mbar_wait(bar, 0);
 #endif
   }
 
@@ -498,14 +477,14 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
   uint32_t* lane_table = reinterpret_cast<uint32_t*>(pq_smem + stage_at + C::kStageBytes);
   uint64_t* books_bar = reinterpret_cast<uint64_t*>(pq_smem + stage_at + C::kStageBytes + C::kLaneBytes);
   // The codebooks, once for all of this CTA's items, in flight while the first codes load.
-  bool books_ready = !C::kCbSmem;  // K's rows (wait_k); V's: wait_v at a warp's first chunk
+  bool books_ready = !C::kCbSmem;
   uint8_t* stage = pq_smem + stage_at + warp * kChunk * MK;  // K codes, past the codebooks
   uint8_t* vstage = pq_smem + warp * kChunk * MV;             // V codes, in the reduction region
   if constexpr (C::kCbSmem) {
     DecodeCta<T, D, MK, MV> first(a, 0, hkv, r, c, nullptr, 0, img_at, stage, vstage);
     first.template load_books<LUT>(books_bar);
     if (warp == 0) first.lk.save(lane_table, lane);
-    __syncthreads();  // the lane table and the barriers' inits are visible
+    __syncthreads();  // the lane table and the barrier's init are visible
   }
 
   for (int item = blockIdx.x; item < a.num_reqs * slots; item += gridDim.x) {
@@ -581,10 +560,8 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
     for (int i = 0; i < C::NT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
     float m_run[2] = {-CUDART_INF_F, -CUDART_INF_F}, l_run[2] = {0.f, 0.f};
 
-    // Keys t0 .. t0 + 31, of which [k_lo, k_hi) count. wait_v_tag: wait for V's rows of the
-    // image before the PV product (a warp's first chunk of codes: load_books; a check in every
-    // chunk cost 34 instructions of the loop's 1186, ptxas's register allocation).
-    auto chunk = [&](auto win_tag, auto wait_v_tag, int t0, const ChunkCodes<C>& cc, int k_lo, int k_hi) {
+    // Keys t0 .. t0 + 31, of which [k_lo, k_hi) count.
+    auto chunk = [&](auto win_tag, int t0, const ChunkCodes<C>& cc, int k_lo, int k_hi) {
       constexpr bool WIN = decltype(win_tag)::value;
       float s[2][4];
   #pragma unroll
@@ -653,7 +630,6 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
   #pragma unroll
           for (int i = 0; i < C::NT; ++i) o[i][e] *= alpha[e], o[i][e + 2] *= alpha[e];
       }
-      if constexpr (decltype(wait_v_tag)::value) DecodeCta<T, D, MK, MV>::wait_v(books_bar);
       // O^T += V^T P per half: P^T fragments by transposing the score fragments.
   #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -696,26 +672,24 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
       code_chunks = ceil_div(t_end - first, kChunk);
       if constexpr (C::kCbSmem) {
         if (LUT || !books_ready) {
-          cta.template wait_k<LUT>(books_bar);
+          cta.wait_books(books_bar);
           if (LUT) __syncthreads();  // this item's LUT is visible
           books_ready = true;
         }
       }
-      auto step = [&](auto wait_v_tag) {
+      for (; t0 < t_end; t0 += stride) {
         ChunkCodes<C> cur;
         cta.take_codes(cur);
         if constexpr (C::kCbSmem) cta.lk.load(lane_table, lane);
         if (t0 + stride < t_end) cta.stage_codes(t0 + stride);
-        chunk(std::false_type{}, wait_v_tag, t0, cur, t_begin, t_end);
-      };
-      if (t0 < t_end) step(std::bool_constant<C::kCbSmem>{}), t0 += stride;  // (peeled: see chunk)
-      for (; t0 < t_end; t0 += stride) step(std::false_type{});
+        chunk(std::false_type{}, t0, cur, t_begin, t_end);
+      }
     }
     if (has_win) {  // the window's chunks go on round the warps where the codes' stopped
       ChunkCodes<C> none;
       for (int i = (warp - code_chunks % C::kWarps + C::kWarps) % C::kWarps; w_begin + i * kChunk < w_end;
            i += C::kWarps)
-        chunk(std::true_type{}, std::false_type{}, w_begin + i * kChunk, none, w_begin, w_end);
+        chunk(std::true_type{}, w_begin + i * kChunk, none, w_begin, w_end);
     }
 
     // Combine the warps: each lane's l covers its rows only; sum over r.
@@ -765,10 +739,9 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
       if (dim == 0) lse_out[head * slots] = den != 0.f ? mstar + log2f(den) : -CUDART_INF_F;
     }
   }
-  if constexpr (C::kCbSmem) {  // no copy outlives the CTA (its items or this warp had no codes)
+  if constexpr (C::kCbSmem) {  // no copy outlives the CTA (its items had no codes)
     cp_async_wait_all();
-    if (!books_ready) DecodeCta<T, D, MK, MV>::template wait_k<LUT>(books_bar);
-    DecodeCta<T, D, MK, MV>::wait_v(books_bar);
+    if (!books_ready) DecodeCta<T, D, MK, MV>::wait_books(books_bar);
   }
 }
 

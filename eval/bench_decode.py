@@ -246,6 +246,9 @@ def main() -> int:
     p.add_argument("--mix", type=int, nargs=2, metavar=("LO", "HI"),
                    help="each request's context drawn uniformly from LO..HI tokens (seeded; in place of "
                         "--contexts); CUSTOM also timed with its requests in the batch's order")
+    p.add_argument("--batch-order", action="store_true",
+                   help="also time CUSTOM with its requests dealt in the batch's order (custom_batch_order_us; "
+                        "always with --mix)")
     p.add_argument("--out", default="eval/results/decode_kernel.json")
     args = p.parse_args()
     from vllm_pq_backend import ops
@@ -292,7 +295,7 @@ def main() -> int:
                         if args.per_item else nan)
             batch_order = (bench_pq(batch, top, ms, gen, hq, hkv, min_split=args.min_split,
                                     window=args.window, lens=lens, order=False)[0]
-                           if lens is not None else nan)
+                           if lens is not None or args.batch_order else nan)
             fa = min(fa16, fa128)
             gbs = must / (us * 1e-6) / 1e9
             rows.append(dict(
@@ -310,7 +313,7 @@ def main() -> int:
             ))
             print(f"{ctx:7d} {batch:5d} {bits:>4} | {us:9.1f} {fa16:8.1f}/{fa128:<8.1f} {tq:8.1f} | "
                   f"{fa / us:5.2f} {tq / us:5.2f} | {gbs:7.0f} ({100 * gbs / copy_gbs:4.1f}%)"
-                  + (f" | batch order {batch_order:.1f}" if lens is not None else ""), flush=True)
+                  + (f" | batch order {batch_order:.1f}" if not math.isnan(batch_order) else ""), flush=True)
         result = dict(stamp, shapes=dict(model=args.shape, q_heads=hq, kv_heads=hkv, head_dim=D, pq_block=PQ_BLOCK,
                       window=args.window), copy_gbs=round(copy_gbs, 1), rows=rows)
         with open(args.out, "w") as f:  # after each case: a cut-short run keeps its rows

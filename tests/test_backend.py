@@ -305,6 +305,7 @@ def test_builder_on_common_metadata(model_factory):
     assert (md.num_decodes, md.num_decode_tokens, md.num_prefills) == (2, 2, 1)
     assert md.req_rows.tolist() == [0, 1, 2]
     assert md.decode_order.tolist() == [0, 1]  # the decodes longest first
+    assert builder.decode_order[:2].tolist() == [0, 1]
     (p,) = md.prefills
     assert p.query_start_loc_cpu == [0, 50] and p.seq_lens_cpu == [70]
     assert p.block_ids.tolist() == [6, 7, 8]

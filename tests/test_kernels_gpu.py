@@ -363,7 +363,8 @@ def test_decode_replays_in_a_cuda_graph():
     ws_o = torch.empty(r * hq * 5 * d, device=DEV)
     ws_lse = torch.empty(r * hq * 5, device=DEV)
     empty, image = c["q"].new_empty(0), book_image(c)
-    order = torch.empty(8, dtype=torch.int32, device=DEV)  # written before each replay, as the builder does
+    # a permutation of the requests at every launch (the builder writes it before each step)
+    order = torch.arange(8, dtype=torch.int32, device=DEV)
     args = lambda: (out, c["q"], c["cache"], c["table"], c["seq"], order, c["k_cb"], c["v_cb"],  # noqa: E731
                     image, c["win_k"], c["win_v"], c["rows"], empty, empty, 128, 0, 4, 0, 3, c["scale"],
                     False, ws_o, ws_lse, *c["lay"].kernel_args())

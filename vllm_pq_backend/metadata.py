@@ -408,8 +408,10 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
         self.req_rows = torch.empty((size,), dtype=torch.int32, device=device)
         self.window_rows = WindowRows()
         # the decode kernel's request order, written each step into this one buffer (CUDA
-        # graphs replay with its address)
+        # graphs replay with its address); entries past a step's decodes, up to the most ever
+        # written, hold their own index, so that any prefix of it names requests of that prefix
         self.decode_order = torch.empty((size,), dtype=torch.int32, device=device)
+        self._order_written = 0
         self._rows_filled_with = None  # the scratch row req_rows' unused entries hold
         dev = torch.device(device)
         self.num_sms = ops.num_sms(dev)
@@ -484,10 +486,13 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
             rows_cpu = rows.tolist()
         decode_order = None
         if nd:
-            order = ops.decode_order(seq_cpu[:nd].numpy())
-            host = staged(order.nbytes, self.device)
-            host.numpy()[:] = order.view(np.uint8)
-            self.decode_order[:nd].copy_(host.view(torch.int32), non_blocking=True)
+            top = max(nd, self._order_written)
+            host = staged(4 * top, self.device)
+            order = host.view(torch.int32).numpy()
+            order[:nd] = ops.decode_order(seq_cpu[:nd].numpy())
+            order[nd:] = np.arange(nd, top, dtype=np.int32)
+            self.decode_order[:top].copy_(host.view(torch.int32), non_blocking=True)
+            self._order_written = top
             decode_order = self.decode_order[:nd]
         prefills = []
         if npf:

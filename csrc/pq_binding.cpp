@@ -189,11 +189,11 @@ Tensor decode_books(const Tensor& k_cb, const Tensor& v_cb) {
 }
 
 void decode(Tensor out, const Tensor& q, const Tensor& kv_cache, const Tensor& block_table,
-            const Tensor& seq_lens, const Tensor& k_cb, const Tensor& v_cb, const Tensor& books, const Tensor& win_k,
-            const Tensor& win_v, const Tensor& rows, const Tensor& new_k, const Tensor& new_v,
-            int64_t window, int64_t sliding_window,
-            int64_t num_splits, int64_t min_split, int64_t num_ctas, double scale, bool lut, Tensor ws_o, Tensor ws_lse, int64_t k_off,
-            int64_t k_tok, int64_t v_off, int64_t v_sub, int64_t nan_code) {
+            const Tensor& seq_lens, const Tensor& order, const Tensor& k_cb, const Tensor& v_cb, const Tensor& books,
+            const Tensor& win_k, const Tensor& win_v, const Tensor& rows, const Tensor& new_k, const Tensor& new_v,
+            int64_t window, int64_t sliding_window, int64_t num_splits, int64_t min_split, int64_t num_ctas,
+            double scale, bool lut, Tensor ws_o, Tensor ws_lse, int64_t k_off, int64_t k_tok, int64_t v_off,
+            int64_t v_sub, int64_t nan_code) {
   const at::Device dev = q.device();
   TORCH_CHECK(dev.is_cuda(), "vllm_pq_backend: q must be a CUDA tensor");
   const at::cuda::OptionalCUDAGuard guard(dev);
@@ -218,6 +218,12 @@ void decode(Tensor out, const Tensor& q, const Tensor& kv_cache, const Tensor& b
   check_dtype(seq_lens, "seq_lens", at::kInt);
   TORCH_CHECK(seq_lens.is_contiguous() && seq_lens.size(0) >= reqs, "vllm_pq_backend: seq_lens must be "
               "contiguous int32 with >= ", reqs, " entries");
+  if (order.numel() > 0) {  // (a permutation of the requests: ops.decode_order)
+    check(order, "order", dev, {-1});
+    check_dtype(order, "order", at::kInt);
+    TORCH_CHECK(order.is_contiguous() && order.size(0) >= reqs, "vllm_pq_backend: order must be contiguous "
+                "int32 with >= ", reqs, " entries");
+  }
   TORCH_CHECK(num_splits >= 1, "vllm_pq_backend: num_splits must be >= 1, got ", num_splits);
   TORCH_CHECK(min_split >= 0 && min_split % 32 == 0, "vllm_pq_backend: min_split must be a multiple of 32 "
               "(tokens), got ", min_split);
@@ -236,6 +242,7 @@ void decode(Tensor out, const Tensor& q, const Tensor& kv_cache, const Tensor& b
   a.block_table = block_table.data_ptr<int32_t>();
   a.bt_stride = block_table.stride(0);
   a.seq_lens = seq_lens.data_ptr<int32_t>();
+  a.order = order.numel() > 0 ? order.data_ptr<int32_t>() : nullptr;
   a.k_cb = k_cb.data_ptr();
   a.v_cb = v_cb.data_ptr();
   if (const int bytes = pq::decode_books_bytes(static_cast<int>(d)); bytes > 0) {
@@ -423,7 +430,7 @@ TORCH_LIBRARY(pq_backend, m) {
       "window_write(Tensor(a!) win_k, Tensor(b!) win_v, Tensor key, Tensor value, Tensor tokens, Tensor rows, "
       "Tensor slots) -> ()");
   m.def(
-      "decode(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
+      "decode(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, Tensor order, "
       "Tensor k_cb, Tensor v_cb, Tensor books, Tensor(d!) win_k, Tensor(e!) win_v, Tensor rows, Tensor new_k, "
       "Tensor new_v, int window, int sliding_window, int num_splits, int min_split, int num_ctas, float scale, "
       "bool lut, Tensor(b!) ws_o, Tensor(c!) ws_lse, int k_off, int k_tok, int v_off, int v_sub, "

@@ -1,9 +1,10 @@
 // Split-K decode attention over PQ codes (flash-decoding), GQA-aware, on tensor cores.
 //
 // CTA = (KV head x group of <= 8 query heads, one of num_ctas): it loads the head's
-// codebooks into shared memory once, then takes the (request, split) items blockIdx.x,
-// + num_ctas, ... in turn (num_ctas CTAs per head group fill the GPU once; a CTA per item
-// reloaded the codebooks, as many bytes as a 1K-token split's codes, for every item). Its
+// codebooks into shared memory once, then takes one (request, split) item in each round of
+// num_ctas items, longest requests first (num_ctas CTAs per head group fill the GPU once; a
+// CTA per item reloaded the codebooks, as many bytes as a 1K-token split's codes, for every
+// item). Its
 // warps take 32-token chunks of the item's split. The codes of a KV head are read once
 // for all its query heads: scores are S = K^ Q^T with K^ dequantized from the codebook
 // straight into mma.m16n8k16 A fragments (16 tokens x 16 dims, 8 query heads as N), and
@@ -487,8 +488,15 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
     __syncthreads();  // the lane table and the barrier's init are visible
   }
 
-  for (int item = blockIdx.x; item < a.num_reqs * slots; item += gridDim.x) {
-    const int req = item / slots, slot = item % slots;
+  // Items (request, split) are dealt to the CTAs in rounds of gridDim.x, requests longest
+  // first (a.order) and every other round in reverse (a snake), so that each CTA gets about
+  // as many codes as the others whatever the mix of lengths; dealt in the batch's order, the
+  // CTA that drew the longest requests set the launch's time (eval/results/decode_order_*).
+  // Which CTA runs an item does not change its result.
+  for (int round = 0;; ++round) {
+    const int item = round * gridDim.x + (round % 2 ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
+    if (item >= a.num_reqs * slots) break;
+    const int req = a.order != nullptr ? a.order[item / slots] : item / slots, slot = item % slots;
     const int len = a.seq_lens[req];
     const SplitPlan plan = split_plan(a, len);
     const int n_codes = plan.n_codes, lo = plan.lo;
@@ -516,7 +524,7 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
       continue;
     }
 
-    if (item != (int)blockIdx.x) __syncthreads();  // the reduction region's readers are done (V staging)
+    if (round > 0) __syncthreads();  // the reduction region's readers are done (V staging)
     DecodeCta<T, D, MK, MV> cta(a, req, hkv, r, c, a.block_table + (int64_t)req * a.bt_stride, n_codes, img_at, stage, vstage);
     // This warp's first codes are requested before anything else of the item: their HBM
     // latency is the longest wait of its start.

@@ -58,6 +58,8 @@ struct DecodeArgs {
   const int32_t* block_table;
   int64_t bt_stride;
   const int32_t* seq_lens;  // [R], context length including the query token
+  const int32_t* order;     // [R] a permutation of the requests, longest first (ops.decode_order),
+                            // the order their items are dealt to the CTAs; or null (as given)
   const void* k_cb;         // [kv_heads, Mk, 256, D/Mk] activation dtype
   const void* v_cb;         // [kv_heads, Mv, 256, D/Mv]
   const uint8_t* books;     // [kv_heads, decode_books_bytes(D)]: decode_books of k_cb, v_cb
@@ -76,8 +78,8 @@ struct DecodeArgs {
   int min_split;   // tokens (a multiple of 32): no split is shorter, so a request with no more
                    // codes than this has one split whatever num_splits its batch gets, and
                    // its result does not depend on the batch (0: the codes split evenly)
-  int num_ctas;    // CTAs per KV-head group, each taking every num_ctas-th (request, split)
-                   // item; <= 0: one per item
+  int num_ctas;    // CTAs per KV-head group, taking the (request, split) items in rounds
+                   // (see `order`); <= 0: one per item
   float scale;
   bool lut;       // score through Q.centroid lookup tables where supported (see pq_decode.cuh)
   float* ws_o;    // [R, Hq, num_splits, D]

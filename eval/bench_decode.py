@@ -10,6 +10,12 @@ from L2. Random data everywhere (no zeros).
 
     python eval/bench_decode.py --out eval/results/decode_kernel.json
 
+--mix LO HI gives each request its own context, drawn uniformly from LO..HI tokens (the
+same lengths for every backend), as a serving batch has; CUSTOM is then also timed with its
+requests dealt to the CTAs in the batch's order instead of longest first (custom_batch_order_us):
+
+    python eval/bench_decode.py --mix 4096 13824 --batches 16 32 64 128 256 --out eval/results/decode_mix.json
+
 --g-sweep instead compares the two ways of scoring keys, tensor-core MMA over K
 dequantized from the codebook vs Q.centroid lookup tables (LUT, built for g = 1 only),
 at g = 1, 4, 8 query heads per KV head (8 KV heads), with FA3 at the same shapes:
@@ -25,6 +31,7 @@ import math
 import statistics
 import sys
 
+import numpy as np
 import torch
 from provenance import provenance, write_result  # eval/ is the script's directory
 
@@ -75,17 +82,20 @@ def copies_for(nbytes: int) -> int:
 
 
 def bench_pq(batch, ctx, ms, gen, hq=HQ, hkv=HKV, lut=False, per_item=False, min_split=None, kernels=False,
-             window=WINDOW):
+             window=WINDOW, lens=None, order=True):
     """``ms``: (Mk, Mv), K and V subspaces per head; ``per_item``: a CTA per (request,
     split) item instead of the backend's CTAs that take items in turn; ``min_split``: the
     kernel's shortest split (default the backend's, 0: even splits); ``kernels``: also each
-    kernel's own device time (kernel_times)."""
+    kernel's own device time (kernel_times); ``lens``: each request's context (default
+    ``ctx`` for all); ``order``: requests dealt to the CTAs longest first, as the backend
+    does (False: in the batch's order)."""
     from vllm_pq_backend import ops
     from vllm_pq_backend.layout import PageLayout
 
     assert ops.kernels_available(), "build the CUDA kernels first"
     lay = PageLayout(PQ_BLOCK, *ms)
-    code_bytes = batch * ctx * hkv * lay.state_bytes
+    lens = [ctx] * batch if lens is None else lens
+    code_bytes = sum(lens) * hkv * lay.state_bytes
     n = copies_for(code_bytes)
     tables, blocks = block_table(batch, ctx, PQ_BLOCK, n, gen)
     cache = torch.randint(0, 256, (blocks, hkv, PQ_BLOCK, lay.state_bytes), dtype=torch.uint8,
@@ -98,7 +108,9 @@ def bench_pq(batch, ctx, ms, gen, hq=HQ, hkv=HKV, lut=False, per_item=False, min
     q = torch.randn(batch, hq, D, **bf16)
     new_kv = [torch.randn(batch, hkv, D, **bf16) for _ in range(2)]  # the kernel writes them
     out = torch.empty_like(q)
-    seq = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    order_t = (torch.from_numpy(ops.decode_order(np.array(lens))).cuda() if order
+               else seq.new_empty(0))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     splits = ops.num_splits_for(batch, ops.ctas_per_split(hq, hkv), sms)
     min_split = ops.MIN_SPLIT_TOKENS if min_split is None else min_split
@@ -107,7 +119,7 @@ def bench_pq(batch, ctx, ms, gen, hq=HQ, hkv=HKV, lut=False, per_item=False, min
     ws_lse = torch.empty(batch * hq * splits, device="cuda")
 
     def run(i):
-        torch.ops.pq_backend.decode(out, q, cache, tables[i], seq, cb[0], cb[1], books, win[0], win[1],
+        torch.ops.pq_backend.decode(out, q, cache, tables[i], seq, order_t, cb[0], cb[1], books, win[0], win[1],
                                     rows, new_kv[0], new_kv[1], window, 0, splits, min_split, ctas,
                                     D**-0.5,
                                     lut, ws_o, ws_lse,
@@ -136,10 +148,11 @@ def kernel_times(fn_for_copy, n_copies: int, reps: int = 20) -> dict:
     return {k: round(v, 2) for k, v in times.items()}
 
 
-def bench_fa3(batch, ctx, block, gen, hq=HQ, hkv=HKV):
+def bench_fa3(batch, ctx, block, gen, hq=HQ, hkv=HKV, lens=None):
     from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
 
-    kv_bytes = batch * ctx * hkv * D * 2 * 2
+    lens = [ctx] * batch if lens is None else lens
+    kv_bytes = sum(lens) * hkv * D * 2 * 2
     n = copies_for(kv_bytes)
     tables, blocks = block_table(batch, ctx, block, n, gen)
     bf16 = dict(device="cuda", generator=gen, dtype=torch.bfloat16)
@@ -148,7 +161,7 @@ def bench_fa3(batch, ctx, block, gen, hq=HQ, hkv=HKV):
     q = torch.randn(batch, hq, D, **bf16)
     out = torch.empty_like(q)
     cu_q = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
-    seq = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
 
     def run(i):
         flash_attn_varlen_func(q=q, k=k, v=v, out=out, cu_seqlens_q=cu_q, max_seqlen_q=1,
@@ -230,6 +243,12 @@ def main() -> int:
                    help="CUSTOM's full-precision window in tokens (0: every key from the codes)")
     p.add_argument("--kernel-times", action="store_true",
                    help="also each CUDA kernel's own device time per call (custom_kernel_us, torch.profiler)")
+    p.add_argument("--mix", type=int, nargs=2, metavar=("LO", "HI"),
+                   help="each request's context drawn uniformly from LO..HI tokens (seeded; in place of "
+                        "--contexts); CUSTOM also timed with its requests in the batch's order")
+    p.add_argument("--batch-order", action="store_true",
+                   help="also time CUSTOM with its requests dealt in the batch's order (custom_batch_order_us; "
+                        "always with --mix)")
     p.add_argument("--out", default="eval/results/decode_kernel.json")
     args = p.parse_args()
     from vllm_pq_backend import ops
@@ -255,36 +274,49 @@ def main() -> int:
     rows = []
     print(f"device {torch.cuda.get_device_name()}, copy {copy_gbs:.0f} GB/s (read+write)", flush=True)
     print("context batch bits | custom_us  fa3_us(b16/b128)  tq_us | x_fa3 x_tq | custom GB/s (% copy)")
-    for ctx in args.contexts:
-        for batch in args.batches:
-            fa16, fa_bytes = bench_fa3(batch, ctx, 16, gen, hq, hkv)
-            fa128, _ = bench_fa3(batch, ctx, 128, gen, hq, hkv)
-            tq, tq_bytes = (nan, 0) if args.no_turboquant else bench_turboquant(batch, ctx, gen, hq, hkv)
-            for bits, ms in args.settings:
-                us, must, splits, ktimes = bench_pq(batch, ctx, ms, gen, hq, hkv, min_split=args.min_split,
-                                                    kernels=args.kernel_times, window=args.window)
-                per_item = (bench_pq(batch, ctx, ms, gen, hq, hkv, per_item=True, min_split=args.min_split,
-                                     window=args.window)[0]
-                            if args.per_item else nan)
-                fa = min(fa16, fa128)
-                gbs = must / (us * 1e-6) / 1e9
-                rows.append(dict(
-                    context=ctx, batch=batch, bits=bits, M_k=ms[0], M_v=ms[1], custom_us=round(us, 2), fa3_us=round(fa, 2),
-                    fa3_block16_us=round(fa16, 2), fa3_block128_us=round(fa128, 2),
-                    turboquant_us=_num(tq, 2), speedup_vs_fa3=round(fa / us, 3),
-                    speedup_vs_turboquant=_num(tq / us, 3), custom_gbs=round(gbs, 1),
-                    custom_bytes=must, fa3_gbs=round(fa_bytes / (fa * 1e-6) / 1e9, 1),
-                    turboquant_gbs=_num(tq_bytes / (tq * 1e-6) / 1e9, 1), copy_gbs=round(copy_gbs, 1),
-                    custom_pct_copy=round(100 * gbs / copy_gbs, 1), splits=splits,
-                    min_split=ops.MIN_SPLIT_TOKENS if args.min_split is None else args.min_split,
-                    custom_per_item_us=_num(per_item, 2),
-                    **(dict(custom_kernel_us=ktimes) if args.kernel_times else {}),
-                ))
-                print(f"{ctx:7d} {batch:5d} {bits:>4} | {us:9.1f} {fa16:8.1f}/{fa128:<8.1f} {tq:8.1f} | "
-                      f"{fa / us:5.2f} {tq / us:5.2f} | {gbs:7.0f} ({100 * gbs / copy_gbs:4.1f}%)", flush=True)
+    if args.mix:
+        if not args.no_turboquant:
+            p.error("--mix times CUSTOM and FA3 only: add --no-turboquant")
+        lo, hi = args.mix
+        draw = np.random.default_rng(0)
+        cases = [(round((lo + hi) / 2), b, draw.integers(lo, hi + 1, b).tolist()) for b in args.batches]
+    else:
+        cases = [(ctx, b, None) for ctx in args.contexts for b in args.batches]
+    for ctx, batch, lens in cases:
+        top = ctx if lens is None else max(lens)
+        fa16, fa_bytes = bench_fa3(batch, top, 16, gen, hq, hkv, lens)
+        fa128, _ = bench_fa3(batch, top, 128, gen, hq, hkv, lens)
+        tq, tq_bytes = (nan, 0) if args.no_turboquant else bench_turboquant(batch, ctx, gen, hq, hkv)
+        for bits, ms in args.settings:
+            us, must, splits, ktimes = bench_pq(batch, top, ms, gen, hq, hkv, min_split=args.min_split,
+                                                kernels=args.kernel_times, window=args.window, lens=lens)
+            per_item = (bench_pq(batch, top, ms, gen, hq, hkv, per_item=True, min_split=args.min_split,
+                                 window=args.window, lens=lens)[0]
+                        if args.per_item else nan)
+            batch_order = (bench_pq(batch, top, ms, gen, hq, hkv, min_split=args.min_split,
+                                    window=args.window, lens=lens, order=False)[0]
+                           if lens is not None or args.batch_order else nan)
+            fa = min(fa16, fa128)
+            gbs = must / (us * 1e-6) / 1e9
+            rows.append(dict(
+                context=ctx, batch=batch, bits=bits, M_k=ms[0], M_v=ms[1], custom_us=round(us, 2), fa3_us=round(fa, 2),
+                fa3_block16_us=round(fa16, 2), fa3_block128_us=round(fa128, 2),
+                turboquant_us=_num(tq, 2), speedup_vs_fa3=round(fa / us, 3),
+                speedup_vs_turboquant=_num(tq / us, 3), custom_gbs=round(gbs, 1),
+                custom_bytes=must, fa3_gbs=round(fa_bytes / (fa * 1e-6) / 1e9, 1),
+                turboquant_gbs=_num(tq_bytes / (tq * 1e-6) / 1e9, 1), copy_gbs=round(copy_gbs, 1),
+                custom_pct_copy=round(100 * gbs / copy_gbs, 1), splits=splits,
+                min_split=ops.MIN_SPLIT_TOKENS if args.min_split is None else args.min_split,
+                custom_per_item_us=_num(per_item, 2), custom_batch_order_us=_num(batch_order, 2),
+                **(dict(lens=lens, mix=args.mix) if lens is not None else {}),
+                **(dict(custom_kernel_us=ktimes) if args.kernel_times else {}),
+            ))
+            print(f"{ctx:7d} {batch:5d} {bits:>4} | {us:9.1f} {fa16:8.1f}/{fa128:<8.1f} {tq:8.1f} | "
+                  f"{fa / us:5.2f} {tq / us:5.2f} | {gbs:7.0f} ({100 * gbs / copy_gbs:4.1f}%)"
+                  + (f" | batch order {batch_order:.1f}" if not math.isnan(batch_order) else ""), flush=True)
         result = dict(stamp, shapes=dict(model=args.shape, q_heads=hq, kv_heads=hkv, head_dim=D, pq_block=PQ_BLOCK,
                       window=args.window), copy_gbs=round(copy_gbs, 1), rows=rows)
-        with open(args.out, "w") as f:  # after each context: a cut-short run keeps its rows
+        with open(args.out, "w") as f:  # after each case: a cut-short run keeps its rows
             json.dump(result, f, indent=1)
     print(f"wrote {args.out}")
     return 0

@@ -51,13 +51,13 @@ TORCH_LIBRARY_IMPL(NS, CPU, m) {
 IMPLS}
 """
 
-# The decode op's arguments as C++ parameters, bound with pybind11 (the same 27 values).
+# The decode op's arguments as C++ parameters, bound with pybind11 (the same 28 values).
 DIRECT_CPP = r"""
 #include <torch/extension.h>
 
 void decode_direct(at::Tensor out, const at::Tensor& q, const at::Tensor& kv_cache,
-                   const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& k_cb,
-                   const at::Tensor& v_cb, const at::Tensor& books, at::Tensor win_k, at::Tensor win_v,
+                   const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& order,
+                   const at::Tensor& k_cb, const at::Tensor& v_cb, const at::Tensor& books, at::Tensor win_k, at::Tensor win_v,
                    const at::Tensor& rows, const at::Tensor& new_k, const at::Tensor& new_v, int64_t window,
                    int64_t sliding_window, int64_t num_splits, int64_t min_split, int64_t num_ctas,
                    double scale, bool lut, at::Tensor ws_o, at::Tensor ws_lse, int64_t k_off, int64_t k_tok,
@@ -104,7 +104,7 @@ def arguments():
     cache = t(64, 8, 16, 128, dtype=torch.uint8)
     cb, win = t(8, 64, 256, 2), t(16, 8, 128, 128)
     ints = lambda n, dtype=torch.int32: torch.zeros(n, dtype=dtype)  # noqa: E731
-    decode = (t(8, 32, 128), q, cache, ints((8, 64)), ints(8), cb, cb, t(8, 131072, dtype=torch.uint8),
+    decode = (t(8, 32, 128), q, cache, ints((8, 64)), ints(8), ints(8), cb, cb, t(8, 131072, dtype=torch.uint8),
               win, win, ints(8), key, key, 128, 0, 2, 256, 66, 0.088, False, t(1 << 16, dtype=torch.float32),
               t(1 << 12, dtype=torch.float32), *lay)
     return {

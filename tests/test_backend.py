@@ -304,6 +304,8 @@ def test_builder_on_common_metadata(model_factory):
     md = builder.build(0, cam)
     assert (md.num_decodes, md.num_decode_tokens, md.num_prefills) == (2, 2, 1)
     assert md.req_rows.tolist() == [0, 1, 2]
+    assert md.decode_order.tolist() == [0, 1]  # the decodes longest first
+    assert builder.decode_order[:2].tolist() == [0, 1]
     (p,) = md.prefills
     assert p.query_start_loc_cpu == [0, 50] and p.seq_lens_cpu == [70]
     assert p.block_ids.tolist() == [6, 7, 8]
@@ -324,12 +326,19 @@ def test_builder_on_common_metadata(model_factory):
     builder.batch_invariant = True
     md = builder.build(0, cam)
     assert (md.num_decodes, md.num_decode_tokens, md.num_prefills) == (0, 0, 3)
-    assert md.batch_invariant
+    assert md.batch_invariant and md.decode_order is None
     (p,) = md.prefills
     assert p.query_start_loc_cpu == [0, 1, 2, 52] and p.seq_lens_cpu == [40, 7, 70]
     # decoded tokens enter the window (positions 39, 6, 64..69)
     assert p.win_slots.tolist() == [7, 6, *range(6)]
     assert p.seg_end.tolist() == [40, 7, 32, 64, 70]  # each segment a request of its own
+
+
+def test_decode_order_is_longest_first_ties_in_batch_order():
+    from vllm_pq_backend import ops
+
+    order = ops.decode_order(np.array([7, 40, 7, 0, 40], dtype=np.int32))
+    assert order.dtype == np.int32 and order.tolist() == [1, 4, 0, 2, 3]
 
 
 def test_builder_reads_the_window_store_rows_at_each_build(model_factory):

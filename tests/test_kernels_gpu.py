@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 import torch
 
@@ -64,16 +65,18 @@ def book_image(c):
     return torch.ops.pq_backend.decode_books(c["k_cb"], c["v_cb"])
 
 
-def run_kernel(c, splits, ctas=0, min_split=0):
-    """``ctas`` CTAs per KV-head group taking the (request, split) items in turn; 0: a CTA
-    per item. ``min_split`` 0: the codes split evenly over ``splits``."""
+def run_kernel(c, splits, ctas=0, min_split=0, order=None):
+    """``ctas`` CTAs per KV-head group taking the (request, split) items in rounds, the
+    requests in ``order`` (None: as given); 0: a CTA per item. ``min_split`` 0: the codes
+    split evenly over ``splits``."""
     r, hq, d = c["q"].shape
     out = torch.full_like(c["q"], float("nan"))
     ws_o = torch.full((r * hq * splits * d,), float("nan"), device=DEV)
     ws_lse = torch.full((r * hq * splits,), float("nan"), device=DEV)
     empty = c["q"].new_empty(0)
+    order = c["seq"].new_empty(0) if order is None else order
     torch.ops.pq_backend.decode(
-        out, c["q"], c["cache"], c["table"], c["seq"], c["k_cb"], c["v_cb"], book_image(c), c["win_k"],
+        out, c["q"], c["cache"], c["table"], c["seq"], order, c["k_cb"], c["v_cb"], book_image(c), c["win_k"],
         c["win_v"], c["rows"], c.get("new_k", empty), c.get("new_v", empty), c["window"],
         c["sliding"], splits, min_split, ctas, c["scale"], c["lut"], ws_o, ws_lse,
         *c["lay"].kernel_args(),
@@ -209,13 +212,20 @@ def test_decode_never_touches_a_window_row_outside_the_store(bad_row):
 @pytest.mark.parametrize("d,g,lut", [(128, 4, False), (64, 1, True), (64, 3, False), (256, 2, False)])
 def test_decode_ctas_take_items_in_turn(ctas, d, g, lut):
     """Fewer CTAs than (request, split) items: each CTA keeps its codebooks (a LUT is
-    rebuilt per request) and takes items in turn, empty ones and window-only ones among
-    them; the results are those of a CTA per item, bitwise."""
+    rebuilt per request) and takes items in rounds, empty ones and window-only ones among
+    them, the requests in the batch's order or longest first; the results are those of a
+    CTA per item, bitwise."""
     c = paged_case(MIXED + [0], d=d, m=d // 2, g=g, hkv=2, block=64, dtype=torch.bfloat16,
                    window=64, seed=ctas + d, lut=lut)
     c["seq"][-1] = 0  # a padding request: no keys at all
     want = run_kernel(c, splits=3)
     got = run_kernel(c, splits=3, ctas=ctas)
+    assert torch.equal(got[:-1], want[:-1])
+    order = torch.from_numpy(ops.decode_order(c["seq"].cpu().numpy())).to(DEV)
+    assert order.tolist() == [7, 6, 5, 4, 3, 2, 1, 0, 8]  # MIXED grows; the padding last
+    assert torch.equal(run_kernel(c, splits=3, ctas=ctas, order=order)[:-1], want[:-1])
+    shuffled = torch.randperm(len(MIXED) + 1, generator=torch.Generator().manual_seed(ctas))
+    got = run_kernel(c, splits=3, ctas=ctas, order=shuffled.to(DEV, torch.int32))
     assert torch.equal(got[:-1], want[:-1])
     # one split: the items write the output themselves (no reduce), the padding request's zeros
     one = run_kernel(c, splits=1, ctas=ctas)
@@ -353,7 +363,9 @@ def test_decode_replays_in_a_cuda_graph():
     ws_o = torch.empty(r * hq * 5 * d, device=DEV)
     ws_lse = torch.empty(r * hq * 5, device=DEV)
     empty, image = c["q"].new_empty(0), book_image(c)
-    args = lambda: (out, c["q"], c["cache"], c["table"], c["seq"], c["k_cb"], c["v_cb"],  # noqa: E731
+    # a permutation of the requests at every launch (the builder writes it before each step)
+    order = torch.arange(8, dtype=torch.int32, device=DEV)
+    args = lambda: (out, c["q"], c["cache"], c["table"], c["seq"], order, c["k_cb"], c["v_cb"],  # noqa: E731
                     image, c["win_k"], c["win_v"], c["rows"], empty, empty, 128, 0, 4, 0, 3, c["scale"],
                     False, ws_o, ws_lse, *c["lay"].kernel_args())
     torch.ops.pq_backend.decode(*args())  # warm up outside the capture
@@ -362,6 +374,7 @@ def test_decode_replays_in_a_cuda_graph():
         torch.ops.pq_backend.decode(*args())
     for lens in ([4000, 3000, 77], [129, 2, 3999]):
         c["seq"].copy_(torch.tensor(lens, dtype=torch.int32))
+        order[:3].copy_(torch.from_numpy(ops.decode_order(np.array(lens, dtype=np.int32))))
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
@@ -511,7 +524,7 @@ def _decode_args(c, **over):
     r, hq, d = c["q"].shape
     empty = c["q"].new_empty(0)
     args = dict(out=torch.empty_like(c["q"]), q=c["q"], cache=c["cache"], table=c["table"],
-                seq=c["seq"], k_cb=c["k_cb"], v_cb=c["v_cb"], books=book_image(c), win_k=c["win_k"],
+                seq=c["seq"], order=c["seq"].new_empty(0), k_cb=c["k_cb"], v_cb=c["v_cb"], books=book_image(c), win_k=c["win_k"],
                 win_v=c["win_v"],
                 rows=c["rows"], new_k=empty, new_v=empty, window=c["window"], sliding=0, splits=2,
                 min_split=0, ctas=0, scale=c["scale"], lut=False,
@@ -528,6 +541,7 @@ def _decode_args(c, **over):
     ("rows_short", "rows must be contiguous int32"),
     ("win_shape", "win_k has shape"),
     ("cpu_seq", "seq_lens is on cpu"),
+    ("order_short", "order must be contiguous int32"),
     ("heads", "not a multiple"),
     ("books_shape", "books has shape"),
     ("books_dtype", "books must be"),
@@ -544,6 +558,7 @@ def test_decode_rejects_bad_inputs(bad, message):
         "rows_short": dict(rows=c["rows"][:1]),
         "win_shape": dict(win_k=c["win_k"][:, :, :64]),
         "cpu_seq": dict(seq=c["seq"].cpu()),
+        "order_short": dict(order=torch.zeros(1, dtype=torch.int32, device=DEV)),
         "heads": dict(q=c["q"][:, :3], out=torch.empty_like(c["q"][:, :3])),
         "books_shape": dict(books=book_image(c)[:1]),
         "books_dtype": dict(books=book_image(c).to(torch.int16)),

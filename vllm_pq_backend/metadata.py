@@ -147,6 +147,7 @@ class PQMetadata(AttentionMetadata):
     slot_mapping: torch.Tensor
     req_rows: torch.Tensor | None
     req_rows_cpu: list[int] | None
+    decode_order: torch.Tensor | None  # [num_decodes] int32, longest first (ops.decode_order)
     num_splits: int
     num_ctas: int  # decode kernel CTAs per KV-head group (ops.num_ctas_for)
     prefills: list[PrefillPlan]
@@ -406,6 +407,11 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
         size = max(sched.max_num_seqs, sched.max_num_batched_tokens)
         self.req_rows = torch.empty((size,), dtype=torch.int32, device=device)
         self.window_rows = WindowRows()
+        # the decode kernel's request order, written each step into this one buffer (CUDA
+        # graphs replay with its address); entries past a step's decodes, up to the most ever
+        # written, hold their own index, so that any prefix of it names requests of that prefix
+        self.decode_order = torch.empty((size,), dtype=torch.int32, device=device)
+        self._order_written = 0
         self._rows_filled_with = None  # the scratch row req_rows' unused entries hold
         dev = torch.device(device)
         self.num_sms = ops.num_sms(dev)
@@ -478,6 +484,16 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
             host.numpy()[:] = rows.view(np.uint8)
             self.req_rows[:n].copy_(host.view(torch.int32), non_blocking=True)
             rows_cpu = rows.tolist()
+        decode_order = None
+        if nd:
+            top = max(nd, self._order_written)
+            host = staged(4 * top, self.device)
+            order = host.view(torch.int32).numpy()
+            order[:nd] = ops.decode_order(seq_cpu[:nd].numpy())
+            order[nd:] = np.arange(nd, top, dtype=np.int32)
+            self.decode_order[:top].copy_(host.view(torch.int32), non_blocking=True)
+            self._order_written = top
+            decode_order = self.decode_order[:nd]
         prefills = []
         if npf:
             prefills = plan_prefills(
@@ -506,6 +522,7 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
             slot_mapping=cam.slot_mapping,
             req_rows=self.req_rows[:n],
             req_rows_cpu=rows_cpu,
+            decode_order=decode_order,
             num_splits=ops.num_splits_for(nd, self.ctas_per_split, self.num_sms),
             num_ctas=ops.num_ctas_for(self.ctas_per_split, self.num_sms),
             prefills=prefills,

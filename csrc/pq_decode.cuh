@@ -55,7 +55,14 @@ namespace pq {
 
 constexpr int kChunk = 32;
 constexpr int kHeadsPerCta = 8;
+constexpr int kSched = 32;  // items a CTA resolves at once (a lane each)
 constexpr float kLog2e = 1.4426950408889634f;
+
+// One (request, split) item as the CTA runs it: its codes [t_begin, t_end) and its window
+// positions [w_begin, w_end) (window row `row`); req < 0 past the CTA's last item.
+struct ItemPlan {
+  int req, slot, n_codes, t_begin, t_end, w_begin, w_end, row;
+};
 
 // MK / MV: K and V subspaces per head (K and V may have different bit rates).
 template <typename T, int D, int MK, int MV>
@@ -118,7 +125,11 @@ struct DecodeCfg {
   static constexpr int kLaneBytes = kCbSmem ? 32 * 4 * kLaneWords : 0;
   // then the mbarrier that the codebook image's bulk copy signals (load_books)
   static constexpr int kBarBytes = kCbSmem ? 16 : 0;
-  static constexpr int smem_bytes(int reserved) { return stage_at(reserved) + kStageBytes + kLaneBytes + kBarBytes; }
+  // then the CTA's next kSched items, resolved ahead (ItemPlan, plan_items)
+  static constexpr int kSchedBytes = kSched * (int)sizeof(ItemPlan) + kSched * kWarps * 4;
+  __host__ __device__ static constexpr int smem_bytes(int reserved) {
+    return stage_at(reserved) + kStageBytes + kLaneBytes + kBarBytes + kSchedBytes;
+  }
   static_assert(DSK >= 2 && DSK <= 8 && DSV >= 2 && DSV <= 8 && D % 16 == 0 && MK % 8 == 0 &&
                 MV % 8 == 0, "unsupported D/M");
   static_assert(VSUB * DWV == NT, "tiles");
@@ -276,16 +287,12 @@ struct DecodeCta {
         vstage(vstage_), win_base(win_base_),
         lk(r_, c_, static_cast<uint32_t>(__cvta_generic_to_shared(bsm)) >> 16) {}
 
-  __device__ const uint8_t* region(int t0) const {
-    const int page = bt[t0 / a.pages.block_size];
-    return a.pages.base + (int64_t)page * a.pages.block_stride + (int64_t)hkv * a.pages.head_stride;
-  }
-
-  // This warp's chunk t0 of codes into its staging: K's 32 rows (contiguous in the page),
-  // V's MV rows of 32 bytes, as asynchronous 16-byte copies (take_codes waits for them).
-  __device__ void stage_codes(int t0) const {
+  // This warp's chunk t0 of codes, on page `page` (bt's entry for t0), into its staging: K's
+  // 32 rows (contiguous in the page), V's MV rows of 32 bytes, as asynchronous 16-byte copies
+  // (take_codes waits for them).
+  __device__ void stage_codes(int t0, int page) const {
     const int lane = 4 * r + c;
-    const uint8_t* reg = region(t0);
+    const uint8_t* reg = a.pages.base + (int64_t)page * a.pages.block_stride + (int64_t)hkv * a.pages.head_stride;
     const int off0 = t0 % a.pages.block_size;
     const uint8_t* src = reg + a.pages.lay.k_off + off0 * MK;
     for (int u = 16 * lane; u < kChunk * MK; u += 16 * 32) cp_async16(stage + u, src + u);
@@ -459,6 +466,45 @@ __device__ __forceinline__ SplitPlan split_plan(const DecodeArgs& a, int len) {
   return p;
 }
 
+// Items (request, split) are dealt to a head group's CTAs in rounds of gridDim.x, requests
+// longest first (a.order) and every other round in reverse (a snake), so that each CTA gets
+// about as many codes as the others whatever the mix of lengths; dealt in the batch's order,
+// the CTA that drew the longest requests set the launch's time (eval/results/decode_order_*).
+// Which CTA runs an item does not change its result.
+// A CTA resolves its items of rounds r0 .. r0 + kSched - 1 together, lane k of each warp
+// round r0 + k: the item into plans[k] (warp 0) and each warp's first page of its codes into
+// pages[k][warp], so that the dependent loads (order, seq_lens, block table) are one chain per
+// kSched items, not one per item ahead of its first codes.
+template <int WARPS>
+__device__ void plan_items(const DecodeArgs& a, int r0, ItemPlan* plans, int* pages) {
+  const int warp = threadIdx.x / 32, k = threadIdx.x % 32;
+  const int round = r0 + k, slots = a.num_splits;
+  const int item = round * gridDim.x + (round % 2 ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
+  ItemPlan p{-1, 0, 0, 0, 0, 0, 0, -1};
+  int page = 0;
+  if (item < a.num_reqs * slots) {
+    p.req = a.order != nullptr ? a.order[item / slots] : item / slots;
+    p.slot = item % slots;
+    const int len = a.seq_lens[p.req];
+    const SplitPlan sp = split_plan(a, len);
+    p.n_codes = sp.n_codes;
+    if (len > 0) {
+      if (sp.n_codes > sp.lo) {
+        p.t_begin = min(sp.first + p.slot * sp.per, sp.n_codes), p.t_end = min(p.t_begin + sp.per, sp.n_codes);
+        p.t_begin = max(p.t_begin, sp.lo);
+      }
+      // (a window row outside the store, which the builder never gives, is not touched)
+      const int wrow = a.window > 0 ? a.rows[p.req] : -1;
+      if (wrow >= 0 && wrow < a.win_rows && p.slot == sp.used - 1)
+        p.w_begin = max(sp.n_codes, sp.lo), p.w_end = len, p.row = wrow;
+    }
+    const int t0 = (p.t_begin / kChunk) * kChunk + warp * kChunk;
+    if (p.t_begin < p.t_end && t0 < p.t_end) page = a.block_table[p.req * a.bt_stride + t0 / a.pages.block_size];
+  }
+  if (warp == 0) plans[k] = p;
+  pages[k * WARPS + warp] = page;
+}
+
 template <typename T, int D, int MK, int MV, bool LUT>
 __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_kernel(DecodeArgs a) {
   using C = DecodeCfg<T, D, MK, MV>;
@@ -474,9 +520,11 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
   const int img_at = C::img_at(static_cast<uint32_t>(__cvta_generic_to_shared(pq_smem)));
   // (the launch sized shared memory for the window starting at the reserved bytes)
   const int stage_at = C::stage_at(static_cast<uint32_t>(__cvta_generic_to_shared(pq_smem)));
-  if (stage_at + C::kStageBytes + C::kLaneBytes + C::kBarBytes > (int)dynamic_smem_bytes()) __trap();
+  if (C::smem_bytes(static_cast<uint32_t>(__cvta_generic_to_shared(pq_smem))) > (int)dynamic_smem_bytes()) __trap();
   uint32_t* lane_table = reinterpret_cast<uint32_t*>(pq_smem + stage_at + C::kStageBytes);
   uint64_t* books_bar = reinterpret_cast<uint64_t*>(pq_smem + stage_at + C::kStageBytes + C::kLaneBytes);
+  ItemPlan* plans = reinterpret_cast<ItemPlan*>(pq_smem + stage_at + C::kStageBytes + C::kLaneBytes + C::kBarBytes);
+  int* first_pages = reinterpret_cast<int*>(plans + kSched);  // [kSched][kWarps]
   // The codebooks, once for all of this CTA's items, in flight while the first codes load.
   bool books_ready = !C::kCbSmem;
   uint8_t* stage = pq_smem + stage_at + warp * kChunk * MK;  // K codes, past the codebooks
@@ -485,31 +533,18 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
     DecodeCta<T, D, MK, MV> first(a, 0, hkv, r, c, nullptr, 0, img_at, stage, vstage);
     first.template load_books<LUT>(books_bar);
     if (warp == 0) first.lk.save(lane_table, lane);
-    __syncthreads();  // the lane table and the barrier's init are visible
   }
 
-  // Items (request, split) are dealt to the CTAs in rounds of gridDim.x, requests longest
-  // first (a.order) and every other round in reverse (a snake), so that each CTA gets about
-  // as many codes as the others whatever the mix of lengths; dealt in the batch's order, the
-  // CTA that drew the longest requests set the launch's time (eval/results/decode_order_*).
-  // Which CTA runs an item does not change its result.
   for (int round = 0;; ++round) {
-    const int item = round * gridDim.x + (round % 2 ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
-    if (item >= a.num_reqs * slots) break;
-    const int req = a.order != nullptr ? a.order[item / slots] : item / slots, slot = item % slots;
-    const int len = a.seq_lens[req];
-    const SplitPlan plan = split_plan(a, len);
-    const int n_codes = plan.n_codes, lo = plan.lo;
-    int t_begin = 0, t_end = 0, w_begin = 0, w_end = 0;
-    if (len > 0) {
-      if (n_codes > lo) {
-        t_begin = min(plan.first + slot * plan.per, n_codes), t_end = min(t_begin + plan.per, n_codes);
-        t_begin = max(t_begin, lo);
-      }
-      // (a window row outside the store, which the builder never gives, is not touched)
-      const int wrow = a.window > 0 ? a.rows[req] : -1;
-      if (wrow >= 0 && wrow < a.win_rows && slot == plan.used - 1) w_begin = max(n_codes, lo), w_end = len;
+    if (round % kSched == 0) {
+      if (round > 0) __syncthreads();  // every thread is done with the previous items' plans
+      plan_items<C::kWarps>(a, round, plans, first_pages);
+      __syncthreads();  // the plans (at round 0 also the lane table and the barrier's init) are visible
     }
+    const ItemPlan it = plans[round % kSched];
+    if (it.req < 0) break;
+    const int req = it.req, slot = it.slot, n_codes = it.n_codes;
+    const int t_begin = it.t_begin, t_end = it.t_end, w_begin = it.w_begin, w_end = it.w_end;
     float* lse_out = a.ws_lse + ((int64_t)req * a.num_heads + h0) * slots + slot;
     // One split: the item's result is the output (what reduce_kernel would write, bit for
     // bit), so there is no workspace round trip and no reduce launch (pq_decode.cu).
@@ -530,15 +565,15 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
     // latency is the longest wait of its start.
     const int first = (t_begin / kChunk) * kChunk;
     int t0 = first + warp * kChunk;
-    if (has_codes && t0 < t_end) cta.stage_codes(t0);
+    if (has_codes && t0 < t_end) cta.stage_codes(t0, first_pages[(round % kSched) * C::kWarps + warp]);
     if (has_win) {
-      const int64_t row = ((int64_t)a.rows[req] * a.num_kv_heads + hkv) * a.window * D;
+      const int64_t row = ((int64_t)it.row * a.num_kv_heads + hkv) * a.window * D;
       cta.wk = static_cast<const T*>(a.win_k) + row;
       cta.wv = static_cast<const T*>(a.win_v) + row;
       if (a.new_k != nullptr) {
         // This step's key and value into their window slot, which this item reads below
         // (a CTA of each head group writes the same bytes).
-        const int64_t at = row + (int64_t)(len - 1 - n_codes) * D;
+        const int64_t at = row + (int64_t)(w_end - 1 - n_codes) * D;  // (w_end: the request's length)
         const T* nk = static_cast<const T*>(a.new_k) + req * a.new_k_stride + (int64_t)hkv * D;
         const T* nv = static_cast<const T*>(a.new_v) + req * a.new_v_stride + (int64_t)hkv * D;
         for (int i = threadIdx.x; i < 2 * D; i += C::kThreads)
@@ -689,7 +724,7 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
         ChunkCodes<C> cur;
         cta.take_codes(cur);
         if constexpr (C::kCbSmem) cta.lk.load(lane_table, lane);
-        if (t0 + stride < t_end) cta.stage_codes(t0 + stride);
+        if (t0 + stride < t_end) cta.stage_codes(t0 + stride, cta.bt[(t0 + stride) / a.pages.block_size]);
         chunk(std::false_type{}, t0, cur, t_begin, t_end);
       }
     }

@@ -227,6 +227,9 @@ def test_decode_ctas_take_items_in_turn(ctas, d, g, lut):
     shuffled = torch.randperm(len(MIXED) + 1, generator=torch.Generator().manual_seed(ctas))
     got = run_kernel(c, splits=3, ctas=ctas, order=shuffled.to(DEV, torch.int32))
     assert torch.equal(got[:-1], want[:-1])
+    # more rounds than a CTA resolves at once (pq_decode.cuh's kSched, 32): 108 items
+    got = run_kernel(c, splits=12, ctas=ctas, order=order)
+    assert torch.equal(got[:-1], run_kernel(c, splits=12)[:-1])
     # one split: the items write the output themselves (no reduce), the padding request's zeros
     one = run_kernel(c, splits=1, ctas=ctas)
     assert torch.equal(one[-1], torch.zeros_like(one[-1]))

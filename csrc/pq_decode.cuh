@@ -2,16 +2,16 @@
 //
 // CTA = (KV head x group of <= 8 query heads, one of num_ctas): it loads the head's
 // codebooks into shared memory once, then takes one (request, split) item in each round of
-// num_ctas items, longest requests first (num_ctas CTAs per head group fill the GPU once; a
-// CTA per item reloaded the codebooks, as many bytes as a 1K-token split's codes, for every
-// item). Its
-// warps take 32-token chunks of the item's split. The codes of a KV head are read once
-// for all its query heads: scores are S = K^ Q^T with K^ dequantized from the codebook
-// straight into mma.m16n8k16 A fragments (16 tokens x 16 dims, 8 query heads as N), and
-// O^T += V^T P with V^ dequantized into A fragments through the transposed V page layout.
-// With LUT (one query head per KV head only) scores are instead sums of M entries of a
-// per-query table q_m . centroid, built in shared memory in place of the K codebook:
-// M 4-byte lookups per token instead of M (D/M)-element lookups and idle MMA columns.
+// num_ctas items, longest requests first (plan_items; num_ctas CTAs per head group fill the
+// GPU once; a CTA per item reloaded the codebooks, as many bytes as a 1K-token split's
+// codes, for every item). Its warps take 32-token chunks of the item's split. The codes of
+// a KV head are read once for all its query heads: scores are S = K^ Q^T with K^
+// dequantized from the codebook straight into mma.m16n8k16 A fragments (16 tokens x 16
+// dims, 8 query heads as N), and O^T += V^T P with V^ dequantized into A fragments through
+// the transposed V page layout. With LUT (one query head per KV head only) scores are
+// instead sums of M entries of a per-query table q_m . centroid, built in shared memory in
+// place of the K codebook: M 4-byte lookups per token instead of M (D/M)-element lookups
+// and idle MMA columns.
 //
 // Centroid lookups (head_dim <= 128) read a per-KV-head image of both codebooks in shared
 // memory (k_word / v_word, built once per layer by decode_books): a row of 256 bytes per code, so
@@ -469,7 +469,7 @@ __device__ __forceinline__ SplitPlan split_plan(const DecodeArgs& a, int len) {
 // Items (request, split) are dealt to a head group's CTAs in rounds of gridDim.x, requests
 // longest first (a.order) and every other round in reverse (a snake), so that each CTA gets
 // about as many codes as the others whatever the mix of lengths; dealt in the batch's order,
-// the CTA that drew the longest requests set the launch's time (eval/results/decode_order_*).
+// the CTA that drew the longest requests set the launch's time (eval/results/decode_sched_*).
 // Which CTA runs an item does not change its result.
 // A CTA resolves its items of rounds r0 .. r0 + kSched - 1 together, lane k of each warp
 // round r0 + k: the item into plans[k] (warp 0) and each warp's first page of its codes into

@@ -198,6 +198,10 @@ struct ChunkCodes {
 
 __device__ __forceinline__ int k_token(int half, int r) { return 8 * (r >> 1) + 4 * half + (r & 1); }
 
+// The first 32-token chunk of an item's codes [t_begin, ..): warp w takes chunks from
+// first_chunk(t_begin) + 32 w, one of every kWarps (plan_items resolves their first pages).
+__device__ __forceinline__ int first_chunk(int t_begin) { return t_begin / kChunk * kChunk; }
+
 // Dynamic shared memory (DecodeCfg: the cross-warp reduction, then the codebook image).
 // Addressed through this symbol so that accesses compile to shared-memory loads (through a
 // pointer that may also be global they would be generic loads).
@@ -498,7 +502,7 @@ __device__ void plan_items(const DecodeArgs& a, int r0, ItemPlan* plans, int* pa
       if (wrow >= 0 && wrow < a.win_rows && p.slot == sp.used - 1)
         p.w_begin = max(sp.n_codes, sp.lo), p.w_end = len, p.row = wrow;
     }
-    const int t0 = (p.t_begin / kChunk) * kChunk + warp * kChunk;
+    const int t0 = first_chunk(p.t_begin) + warp * kChunk;
     if (p.t_begin < p.t_end && t0 < p.t_end) page = a.block_table[p.req * a.bt_stride + t0 / a.pages.block_size];
   }
   if (warp == 0) plans[k] = p;
@@ -563,8 +567,8 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
     DecodeCta<T, D, MK, MV> cta(a, req, hkv, r, c, a.block_table + (int64_t)req * a.bt_stride, n_codes, img_at, stage, vstage);
     // This warp's first codes are requested before anything else of the item: their HBM
     // latency is the longest wait of its start.
-    const int first = (t_begin / kChunk) * kChunk;
-    int t0 = first + warp * kChunk;
+    const int first = first_chunk(t_begin);
+    int t0 = first + warp * kChunk;  // (plan_items resolved this chunk's page)
     if (has_codes && t0 < t_end) cta.stage_codes(t0, first_pages[(round % kSched) * C::kWarps + warp]);
     if (has_win) {
       const int64_t row = ((int64_t)it.row * a.num_kv_heads + hkv) * a.window * D;
@@ -782,8 +786,9 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
       if (dim == 0) lse_out[head * slots] = den != 0.f ? mstar + log2f(den) : -CUDART_INF_F;
     }
   }
-  if constexpr (C::kCbSmem) {  // no copy outlives the CTA (its items had no codes)
-    cp_async_wait_all();
+  // No copy outlives the CTA: every codes copy was taken by take_codes; the image's is
+  // waited for here where no item had codes.
+  if constexpr (C::kCbSmem) {
     if (!books_ready) DecodeCta<T, D, MK, MV>::wait_books(books_bar);
   }
 }

@@ -24,6 +24,8 @@
 // which spread each subspace over a few banks by code, averaged 3 wavefronts per lookup:
 // eval/results/ncu_decode/.) Where a V block has fewer than 4 tiles (head_dim 64 at 2 bits
 // and below, head_dim 128 at 1 bit) lane columns share tiles: 2- or 4-way conflicts remain.
+// At head_dim 128 and 4 or 2 bits the blocks are shortened on purpose (DecodeCfg::XK, XV):
+// a select round less for 2-way conflicts.
 //
 // Codes: a warp copies its next chunk's K and V codes into shared memory asynchronously
 // while it works on the current one (DecodeCfg::kStageBytes); from there one 8-byte load per
@@ -77,10 +79,19 @@ struct DecodeCfg {
   static constexpr int DWV = DSV / 2; // words per V centroid
   static constexpr int NT = D / 16;   // m16 tiles of output dims
   static constexpr bool kCbSmem = D <= 128;
-  // Lookup rotation (see the header): K blocks of NK subspaces (the lane rows of one
-  // shared-memory phase: 32 / DWK lanes), V blocks of NV tiles (one per lane column).
-  static constexpr int NK = 8 / DWK;
-  static constexpr int NV = VSUB < 4 ? VSUB : 4;
+  // Lookup rotation (see the header): K blocks of NK subspaces, V blocks of NV tiles. Full
+  // blocks (XK = XV = 1) span a shared-memory phase (32 / DWK lanes: 8 / DWK lane rows for K,
+  // 4 lane columns for V) and are conflict-free. XK / XV = 2 halves them: one select round
+  // less per lookup at 2-way bank conflicts. The kernel is bound by the instructions it
+  // issues more than by shared-memory wavefronts (eval/results/decode_rot_fma_b416ca1/), so
+  // at head_dim 128 the round saved wins where measured (eval/results/decode_short_blocks/,
+  // one H100, Llama-3-8B and Qwen2.5-7B shapes): 4 bits, both halved: 8-10% less time at 32K;
+  // 2 bits, K halved: 0.5-5.5% less at 32K; V halved too was up to 5% slower there.
+  // Other shapes keep full blocks (not measured).
+  static constexpr int XK = D == 128 && (MK == 64 || MK == 32) && MV == MK ? 2 : 1;
+  static constexpr int XV = D == 128 && MK == 64 && MV == 64 ? 2 : 1;
+  static constexpr int NK = 8 / DWK / XK;
+  static constexpr int NV = (VSUB < 4 ? VSUB : 4) / XV;
   static constexpr int RV = 8 / DWV;  // lane rows of one phase for V
   // 12 warps hid latency better than 8 that prefetched the next chunk's codes into registers
   // (<= 168 registers against 246-251): at 4 bits 0.86x FA3 instead of 0.85x at 1K x 64,
@@ -142,13 +153,15 @@ struct DecodeCfg {
 // Where a centroid sits in the codebook image, as a 32-bit word of its code's row (K from
 // byte 0 of the row, V from byte kVBase). K subspace s = c * MQ + m is read by lane column c;
 // within a block of NK subspaces (m / NK), entry (c, m % NK) has a bank group of its own, so
-// the lanes of one phase (NK lane rows x 4 columns) reading NK distinct m of a block never
-// share a bank. V subspace s = 8q + r is read by lane row r; within a block of NV tiles the
-// entries of (q % NV, r % RV) have bank groups of their own, r / RV picks the phase's row.
+// the lanes of one phase (8 / DWK lane rows x 4 columns) reading distinct m of a block share
+// a bank only XK-way (lane rows r and r + NK read the same entry's bank group). V subspace
+// s = 8q + r is read by lane row r; within a block of NV tiles the entries of (q % NV, r % RV)
+// have bank groups of their own, r / RV picks the phase's row (lane columns c and c + NV
+// share a bank group where NV < 4).
 template <class C>
 __host__ __device__ constexpr int k_word(int s) {
   const int c = s / C::MQ, m = s % C::MQ;
-  return (m / C::NK) * 32 + (c * C::NK + m % C::NK) * C::DWK;
+  return (m / C::NK) * 4 * C::NK * C::DWK + (c * C::NK + m % C::NK) * C::DWK;
 }
 
 template <class C>
@@ -345,7 +358,7 @@ struct DecodeCta {
         const int j = i % C::NK;
         const uint32_t at = row_address(codes[i / 4], lk.k_off[j / 2], i % 4, j % 2);
         uint32_t cw[C::DWK];
-        lds_words<C::DWK>(at + (i / C::NK) * 128, cw);
+        lds_words<C::DWK>(at + (i / C::NK) * 16 * C::NK * C::DWK, cw);
 #pragma unroll
         for (int u = 0; u < C::DWK; ++u) w[i * C::DWK + u] = cw[u];
       }

@@ -84,9 +84,9 @@ struct DecodeCfg {
   // 4 lane columns for V) and are conflict-free. XK / XV = 2 halves them: one select round
   // less per lookup at 2-way bank conflicts. The kernel is bound by the instructions it
   // issues more than by shared-memory wavefronts (eval/results/decode_rot_fma_b416ca1/), so
-  // at head_dim 128 the round saved wins where measured (eval/results/decode_short_blocks/,
-  // one H100, Llama-3-8B and Qwen2.5-7B shapes): 4 bits, both halved: 8-10% less time at 32K;
-  // 2 bits, K halved: 0.5-5.5% less at 32K; V halved too was up to 5% slower there.
+  // at head_dim 128 the round saved wins where measured (one H100, Llama-3-8B and Qwen2.5-7B
+  // shapes, eval/results/decode_short_blocks_bd5f795/): 4 bits, both halved: 8-11% less time
+  // at 32K; 2 bits, K halved: 0.4-4.7% less at 32K (V halved as well was up to 5% slower).
   // Other shapes keep full blocks (not measured).
   static constexpr int XK = D == 128 && (MK == 64 || MK == 32) && MV == MK ? 2 : 1;
   static constexpr int XV = D == 128 && MK == 64 && MV == 64 ? 2 : 1;

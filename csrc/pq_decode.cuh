@@ -93,6 +93,9 @@ struct DecodeCfg {
   static constexpr int NK = 8 / DWK / XK;
   static constexpr int NV = (VSUB < 4 ? VSUB : 4) / XV;
   static constexpr int RV = 8 / DWV;  // lane rows of one phase for V
+  // 32-bit words of a code's image row spanned by one block: K's 4 lane columns, V's 8 lane rows
+  static constexpr int kKBlockWords = 4 * NK * DWK;
+  static constexpr int kVBlockWords = 8 * NV * DWV;
   // 12 warps hid latency better than 8 that prefetched the next chunk's codes into registers
   // (<= 168 registers against 246-251): at 4 bits 0.86x FA3 instead of 0.85x at 1K x 64,
   // 1.33x instead of 1.16x at 32K x 8; 16 warps (128 registers, small spills) were within 2%
@@ -161,13 +164,13 @@ struct DecodeCfg {
 template <class C>
 __host__ __device__ constexpr int k_word(int s) {
   const int c = s / C::MQ, m = s % C::MQ;
-  return (m / C::NK) * 4 * C::NK * C::DWK + (c * C::NK + m % C::NK) * C::DWK;
+  return (m / C::NK) * C::kKBlockWords + (c * C::NK + m % C::NK) * C::DWK;
 }
 
 template <class C>
 __host__ __device__ constexpr int v_word(int s) {
   const int q = s / 8, r = s % 8;
-  return (((q / C::NV) * (8 / C::RV) + r / C::RV) * C::NV * C::RV + (q % C::NV) * C::RV + r % C::RV) * C::DWV;
+  return (q / C::NV) * C::kVBlockWords + ((r / C::RV) * C::NV * C::RV + (q % C::NV) * C::RV + r % C::RV) * C::DWV;
 }
 
 // The LUT's layout (floats): lane quarter c reads subspaces c*MQ .., so quarter c gets a
@@ -358,7 +361,7 @@ struct DecodeCta {
         const int j = i % C::NK;
         const uint32_t at = row_address(codes[i / 4], lk.k_off[j / 2], i % 4, j % 2);
         uint32_t cw[C::DWK];
-        lds_words<C::DWK>(at + (i / C::NK) * 16 * C::NK * C::DWK, cw);
+        lds_words<C::DWK>(at + (i / C::NK) * 4 * C::kKBlockWords, cw);
 #pragma unroll
         for (int u = 0; u < C::DWK; ++u) w[i * C::DWK + u] = cw[u];
       }
@@ -396,7 +399,7 @@ struct DecodeCta {
           }
         } else if constexpr (C::kCbSmem) {
           const uint32_t at = row_address(codes[qb * C::NV + j], lk.v_off[j / 2], k, j % 2);
-          lds_words<C::DWV>(at + C::kVImm + qb * 32 * C::NV * C::DWV, cw);
+          lds_words<C::DWV>(at + C::kVImm + qb * 4 * C::kVBlockWords, cw);
         } else {
           const int code = (codes[qb * C::NV + j] >> (8 * k)) & 0xff;
           load_words<C::DWV>(vcb + (s * kCentroids + code) * C::DSV, cw);
@@ -473,8 +476,8 @@ __device__ __forceinline__ SplitPlan split_plan(const DecodeArgs& a, int len) {
   SplitPlan p;
   p.n_codes = a.window > 0 ? ((max(len, 1) - 1) / a.window) * a.window : len;
   p.lo = a.sliding_window > 0 ? max(0, len - a.sliding_window) : 0;
-  p.first = (p.lo / kChunk) * kChunk;  // splits stay 32-token aligned
-  p.per = kChunk, p.used = 1;          // (no codes: the window's split only)
+  p.first = first_chunk(p.lo);  // splits stay 32-token aligned
+  p.per = kChunk, p.used = 1;   // (no codes: the window's split only)
   if (p.n_codes > p.lo) {
     const int even = ceil_div(p.n_codes - p.first, a.num_splits);
     p.per = max(a.min_split, ceil_div(even, kChunk) * kChunk);

@@ -47,6 +47,7 @@ def test_calibrate_writes_valid_codebooks(tmp_path, capsys):
         meta = json.loads(f.metadata()["calibration"])
         tk = f.get_tensor("k_transform")
     assert k.shape == (2, 2, 8, 256, 4) and torch.isfinite(k).all()
+    assert codebooks.nan_code_free(k)  # the NaN marker's slot holds no centroid of its own
     assert k[0, 0, 0].std() > 0  # trained, not left at zero
     assert tk.shape == (2, 2, 32, 32) and torch.linalg.matrix_rank(tk[0, 0]) == 32
     assert meta["documents"] == 2 and 500 < meta["tokens"] <= 1500 and len(meta["rel_mse_k"]) == 2

@@ -24,6 +24,8 @@ attention mass each token receives from such queries. Then per (layer, KV head):
   the o_proj metric G^(1/4) (G = W_o^T W_o of the head's output columns: what a value
   error costs after the output projection).
 * The first token (BOS, an attention sink) is pinned: exact in every codebook.
+* Code ``NAN_CODE`` of subspace 0, the serving's marker of non-finite K/V, is reserved:
+  that subspace trains 255 centroids, and the sink is never pinned to the marker.
 
 k-means runs on the GPU when there is one (vllm_pq_backend/kmeans.py), all subspaces of
 a layer at once. The file lands next to the model, where the backend looks by default.
@@ -42,11 +44,11 @@ from pathlib import Path
 
 import torch
 
-from .codebooks import (codebook_path_hint, describe_m, head_dim_of,
+from .codebooks import (codebook_path_hint, describe_m, head_dim_of, reserve_nan_code,
                         save_codebooks, supported_m_text)
 from .config import default_codebook_path
 from .kmeans import kmeans
-from .layout import NUM_CENTROIDS, bits_of, subspaces, supported_m, window_start
+from .layout import NAN_CODE, NUM_CENTROIDS, bits_of, subspaces, supported_m, window_start
 
 TEXT_SUFFIXES = (".txt", ".rst", ".md", ".jsonl")
 
@@ -291,7 +293,8 @@ def _weights(mass: torch.Tensor, alpha: float) -> torch.Tensor | None:
 
 
 def _pin(cents: torch.Tensor, x: torch.Tensor) -> None:
-    """Make ``x [H, d]`` exact: per subspace, its nearest centroid becomes it.
+    """Make ``x [H, d]`` exact: per subspace, its nearest centroid becomes it, never the
+    marker's slot (``NAN_CODE`` of subspace 0, NaN while serving: codebooks.nan_marked).
 
     Used for the first token's K/V (the attention sink): nearly every query puts much of
     its attention there, so its error reaches every output, and it is a single far-out
@@ -299,25 +302,39 @@ def _pin(cents: torch.Tensor, x: torch.Tensor) -> None:
     over bf16 unpinned, +6% pinned)."""
     h, m, _, ds = cents.shape
     xs = x.view(h, m, 1, ds)
-    idx = ((cents - xs) ** 2).sum(-1).argmin(-1)  # [H, m]
+    dist = ((cents - xs) ** 2).sum(-1)  # [H, m, 256]
+    dist[:, 0, NAN_CODE] = float("inf")
+    idx = dist.argmin(-1)  # [H, m]
     cents[torch.arange(h)[:, None], torch.arange(m)[None], idx] = xs[:, :, 0]
 
 
 def train_quantizer(x, m, weights, transform, niter, seed, sink=None):
     """k-means of ``x [n, H, d]`` mapped by ``transform [H, d, d]`` (or None), M subspaces.
-    Returns centroids ``[H, m, 256, d/m]`` (in the mapped space) and rel. error ``[H]``."""
+    Returns centroids ``[H, m, 256, d/m]`` (in the mapped space) and rel. error ``[H]``.
+
+    Subspace 0 trains one centroid fewer: its slot ``NAN_CODE`` is the serving's marker
+    of non-finite K/V, and holds a copy of code 0 (codebooks.reserve_nan_code), so the
+    marker takes no centroid that anything, the pinned sink included, is coded with."""
     n, h, d = x.shape
     ds = d // m
     if transform is not None:
         x = torch.einsum("nhd,hde->nhe", x, transform.to(x))
-    xs = x.view(n, h, m, ds).permute(1, 2, 0, 3).reshape(h * m, n, ds).contiguous()
-    w = None if weights is None else weights.to(x).repeat_interleave(m, 0)
-    cents, err = kmeans(xs, w, NUM_CENTROIDS, niter, seed)
-    cents = cents.view(h, m, NUM_CENTROIDS, ds)
+    xs = x.view(n, h, m, ds).permute(1, 2, 0, 3).contiguous()  # [H, m, n, ds]
+    w = None if weights is None else weights.to(x)  # [H, n]
+    cents = x.new_empty(h, m, NUM_CENTROIDS, ds)
+    err = x.new_empty(h, m)
+    free = [c for c in range(NUM_CENTROIDS) if c != NAN_CODE]
+    cents[:, 0, free], err[:, 0] = kmeans(xs[:, 0], w, NUM_CENTROIDS - 1, niter, seed)
+    if m > 1:
+        c, e = kmeans(xs[:, 1:].reshape(h * (m - 1), n, ds),
+                      None if w is None else w.repeat_interleave(m - 1, 0),
+                      NUM_CENTROIDS, niter, seed + 1)
+        cents[:, 1:], err[:, 1:] = c.view(h, m - 1, NUM_CENTROIDS, ds), e.view(h, m - 1)
     if sink is not None:
         s = sink.to(x)
         _pin(cents, s if transform is None else torch.einsum("hd,hde->he", s, transform.to(x)))
-    return cents, err.view(h, m).mean(1)
+    reserve_nan_code(cents)
+    return cents, err.mean(1)
 
 
 def _map(x, metric, gamma: float, rotate: bool, m: int, device):

@@ -228,10 +228,26 @@ def load_layer(info: CodebookInfo, layer: int, heads: slice) -> tuple[torch.Tens
 
 def nan_marked(centroids: torch.Tensor) -> torch.Tensor:
     """The centroids as served: ``layout.NAN_CODE`` of subspace 0 made NaN, the marker of
-    non-finite K/V (layout.py). It costs subspace 0 one of its 256 centroids."""
+    non-finite K/V (layout.py). Calibration leaves that slot a copy of a lower code
+    (reserve_nan_code), so the marker takes no centroid any finite vector would get."""
     out = centroids.clone()
     out[:, 0, NAN_CODE] = float("nan")
     return out
+
+
+def reserve_nan_code(centroids: torch.Tensor) -> None:
+    """Make the marker's slot (``NAN_CODE`` of subspace 0) of ``centroids [..., M, 256,
+    ds]`` a copy of code 0, in place: never nearest, as ties go to the first index, so
+    the file codes exactly as served even where nothing marks it."""
+    centroids[..., 0, NAN_CODE, :] = centroids[..., 0, 0, :]
+
+
+def nan_code_free(centroids: torch.Tensor) -> bool:
+    """Whether the marker's slot of ``centroids [..., M, 256, ds]`` copies a lower code
+    in every codebook: then nan_marked costs nothing."""
+    sub0 = centroids[..., 0, :, :].float()
+    same = (sub0[..., :NAN_CODE, :] == sub0[..., NAN_CODE : NAN_CODE + 1, :]).all(-1)
+    return bool(same.any(-1).all())
 
 
 def load_transforms(info: CodebookInfo, layer: int, heads: slice):

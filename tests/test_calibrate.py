@@ -47,6 +47,7 @@ def test_calibrate_writes_valid_codebooks(tmp_path, capsys):
         meta = json.loads(f.metadata()["calibration"])
         tk = f.get_tensor("k_transform")
     assert k.shape == (2, 2, 8, 256, 4) and torch.isfinite(k).all()
+    assert codebooks.nan_code_free(k)  # the NaN marker's slot holds no centroid of its own
     assert k[0, 0, 0].std() > 0  # trained, not left at zero
     assert tk.shape == (2, 2, 32, 32) and torch.linalg.matrix_rank(tk[0, 0]) == 32
     assert meta["documents"] == 2 and 500 < meta["tokens"] <= 1500 and len(meta["rel_mse_k"]) == 2
@@ -69,8 +70,9 @@ def test_calibrate_k4_v2(tmp_path, capsys):
         assert f.get_slice("k_centroids").get_shape() == [2, 2, 16, 256, 2]
         assert f.get_slice("v_centroids").get_shape() == [2, 2, 8, 256, 4]
         assert (f.metadata()["bits_k"], f.metadata()["bits_v"]) == ("4", "2")
-    printed = capsys.readouterr().out
-    assert "K 4 / V 2 bits per element" in printed and '"m": 16, "m_v": 8' in printed
+    printed = capsys.readouterr()
+    assert "K 4 / V 2 bits per element" in printed.out and '"m": 16, "m_v": 8' in printed.out
+    assert "calibrate: warning: running on the CPU: under a minute for 0.33M parameters" in printed.err
 
 
 def test_kmeans_finds_separated_clusters_and_honours_weights():
@@ -142,7 +144,7 @@ def test_calibrate_rejects_bad_inputs_in_one_line(tmp_path, capsys):
     assert e.value.code == 2 and "head_dim 32 supports 1 bits per element (M=4)" in err, err
     with pytest.raises(SystemExit) as e:
         main(["--model", model, "--text", str(tmp_path), "--bits", "2", "--bits-v", "4"])
-    assert e.value.code == 2 and "got Mk=8, Mv=16" in capsys.readouterr().err
+    assert e.value.code == 2 and "--bits 2 --bits-v 4 asks for K 2 / V 4 bits" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main(["--model", model, "--text", str(tmp_path), "--m", "0"])
     assert e.value.code == 2 and "--m must be a positive integer" in capsys.readouterr().err

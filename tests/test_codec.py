@@ -103,3 +103,48 @@ def test_window_start(w):
     else:
         assert torch.equal(ws, pos - pos % w)
         assert ((pos - ws) < w).all() and (ws % w == 0).all()
+
+
+def test_the_sink_stays_exact_when_its_nearest_centroid_is_the_nan_marker(monkeypatch):
+    """k-means leaves a centroid right next to the BOS sink at its last index, in every
+    subspace (the marker's slot, NAN_CODE, in subspace 0): the sink is pinned elsewhere,
+    so the codebook as served (the marker made NaN) still codes it exactly."""
+    from vllm_pq_backend import calibrate
+
+    assert NAN_CODE == 255  # "last index" below is the marker's slot
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(600, 2, 8, generator=g)
+    sink = x[0]
+
+    def last_next_to_point_0(xs, w, k, niter, seed):
+        c = xs[:, 1 : k + 1].clone()
+        c[:, -1] = xs[:, 0] + 1e-3
+        return c, torch.zeros(xs.shape[0])
+
+    monkeypatch.setattr(calibrate, "kmeans", last_next_to_point_0)
+    cents, _ = train_quantizer(x, 4, None, None, niter=1, seed=0, sink=sink)
+    served = codebooks.nan_marked(cents)
+    assert torch.equal(reference.decode_codes(reference.encode(sink[None], served), served)[0],
+                       sink)
+
+
+@pytest.mark.parametrize("m", [1, 4])
+def test_trained_codebooks_reserve_the_nan_code(m):
+    """Subspace 0's marker slot holds no centroid of its own: it copies code 0, so no point
+    is coded with it, served or not, and a far-out sink stays exact once served, with or
+    without a map (a K/V transform)."""
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(2000, 2, 8, generator=g)
+    sink = torch.full((2, 8), 9.0)
+    t = torch.linalg.qr(torch.randn(2, 8, 8, generator=g))[0] * 2
+    for transform in (None, t):
+        cents, err = train_quantizer(x, m, None, transform, niter=5, seed=0, sink=sink)
+        assert cents.shape == (2, m, 256, 8 // m) and err.shape == (2,)
+        assert torch.equal(cents[:, 0, NAN_CODE], cents[:, 0, 0])
+        assert codebooks.nan_code_free(cents)
+        xt = x if transform is None else torch.einsum("nhd,hde->nhe", x, transform)
+        st = sink if transform is None else torch.einsum("hd,hde->he", sink, transform)
+        assert not (reference.encode(xt, cents)[..., 0] == NAN_CODE).any()
+        served = codebooks.nan_marked(cents)
+        assert torch.equal(reference.decode_codes(reference.encode(st[None], served), served)[0],
+                           st)

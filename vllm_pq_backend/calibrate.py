@@ -24,6 +24,8 @@ attention mass each token receives from such queries. Then per (layer, KV head):
   the o_proj metric G^(1/4) (G = W_o^T W_o of the head's output columns: what a value
   error costs after the output projection).
 * The first token (BOS, an attention sink) is pinned: exact in every codebook.
+* Code ``NAN_CODE`` of subspace 0, the serving's marker of non-finite K/V, is reserved:
+  that subspace trains 255 centroids, and the sink is never pinned to the marker.
 
 k-means runs on the GPU when there is one (vllm_pq_backend/kmeans.py), all subspaces of
 a layer at once. The file lands next to the model, where the backend looks by default.
@@ -32,74 +34,221 @@ a layer at once. The file lands next to the model, where the backend looks by de
 from __future__ import annotations
 
 import argparse
+import codecs
+import contextlib
 import json
 import os
 import sys
 import time
 import dataclasses
+from array import array
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-from .codebooks import (codebook_path_hint, describe_m, head_dim_of,
+from .codebooks import (codebook_path_hint, describe_m, head_dim_of, reserve_nan_code,
                         save_codebooks, supported_m_text)
 from .config import default_codebook_path
 from .kmeans import kmeans
-from .layout import NUM_CENTROIDS, bits_of, subspaces, supported_m, window_start
+from .layout import (BIT_RATES, NAN_CODE, NUM_CENTROIDS, bits_of, subspaces, supported_m,
+                     window_start)
 
-TEXT_SUFFIXES = (".txt", ".rst", ".md", ".jsonl")
+TEXT_SUFFIXES = (".txt", ".rst", ".md", ".jsonl")  # what folders are searched for
+MIN_TOKENS = 16  # a shorter sequence (BOS included) is skipped: too little context
+_BLOCK = 1 << 20  # bytes of a plain-text file decoded at a time
 
 
 class CalibrationError(ValueError):
     """A bad input, reported as one line by main()."""
 
 
-def read_documents(paths: list[str]) -> list[str]:
-    """Documents from files and folders (.txt/.rst/.md, or .jsonl with a "text" field)."""
-    files: list[Path] = []
-    for p in map(Path, paths):
-        if p.is_dir():
-            files += sorted(f for f in p.rglob("*") if f.suffix in TEXT_SUFFIXES)
-        elif p.is_file():
-            files.append(p)
-        else:
-            raise CalibrationError(f"calibration text not found: {p}")
-    docs = []
-    for f in files:
-        if f.suffix == ".jsonl":
-            with open(f, encoding="utf-8") as fh:
-                docs += [json.loads(line)["text"] for line in fh if line.strip()]
-        else:
-            docs.append(f.read_text(encoding="utf-8", errors="replace"))
-    docs = [d for d in docs if d.strip()]
-    if not docs:
-        raise CalibrationError(f"no text found in {' '.join(paths)} "
-                               f"(files ending in {', '.join(TEXT_SUFFIXES)})")
-    return docs
+def _open(path: Path):
+    try:
+        return open(path, "rb")
+    except OSError as e:
+        raise CalibrationError(f"cannot read {path}: {e.strerror}") from None
+
+
+def _text_pieces(path: Path):
+    """A plain-text file's text in pieces of about ``_BLOCK`` bytes, cut after a newline:
+    only as much of it is read as is consumed."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    pending, offset = "", 0
+
+    def decode(block: bytes) -> str:
+        held = len(decoder.getstate()[0])  # bytes of a character the last block cut
+        try:
+            return decoder.decode(block, final=not block)
+        except UnicodeDecodeError as e:
+            raise CalibrationError(f"{path}: not UTF-8 text (invalid byte at offset "
+                                   f"{offset - held + e.start}); convert it, e.g. with "
+                                   "iconv -t UTF-8") from None
+
+    with _open(path) as fh:
+        while block := fh.read(_BLOCK):
+            pending += decode(block)
+            offset += len(block)
+            cut = pending.rfind("\n") + 1
+            if not cut and len(pending) > 4 * _BLOCK:  # no newline for long: cut anyway
+                cut = len(pending)
+            if cut:
+                yield pending[:cut]
+                pending = pending[cut:]
+    pending += decode(b"")
+    if pending:
+        yield pending
+
+
+def _jsonl_text(path: Path, lineno: int, raw: bytes) -> str:
+    where = f"{path}, line {lineno}"
+    try:
+        line = raw.decode("utf-8").rstrip("\r\n")
+    except UnicodeDecodeError as e:
+        raise CalibrationError(f"{where}: not UTF-8 text (invalid byte at column "
+                               f"{e.start + 1})") from None
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise CalibrationError(f"{where}: not JSON: {e.msg} (column {e.colno})") from None
+    text = obj.get("text") if isinstance(obj, dict) else None
+    if not isinstance(text, str):
+        raise CalibrationError(f'{where}: no "text" string; a .jsonl line is an object '
+                               '{"text": "..."}')
+    return text
+
+
+class Documents:
+    """The calibration text of files, folders (their .txt/.rst/.md/.jsonl files) and pipes,
+    read only as it is consumed, so that files of several GB cost what the tokens asked
+    for need. A document is a file read as plain text, or one line of a .jsonl file (its
+    "text" field). Iterating yields each document as an iterable of text pieces; ``count``
+    is how many documents were begun."""
+
+    def __init__(self, paths: list[str]):
+        self.paths = list(paths)
+        self.files: list[Path] = []
+        for p in map(Path, self.paths):
+            if p.is_dir():
+                self.files += sorted(f for f in p.rglob("*")
+                                     if f.suffix in TEXT_SUFFIXES and f.is_file())
+            elif p.exists():  # a file, or a pipe: --text <(zcat corpus.txt.gz)
+                self.files.append(p)
+            else:
+                raise CalibrationError(f"calibration text not found: {p}")
+        self.count = 0
+        self._order = None  # shuffle(): (file, byte offset, line) arrays and a permutation
+
+    def shuffle(self, seed: int) -> None:
+        """Read the documents in a seeded random order (a sample of all the text, not its
+        first documents). Indexes every .jsonl line once (a pass over the files)."""
+        files, offsets, lines = array("l"), array("q"), array("q")
+
+        def add(i: int, offset: int, line: int) -> None:
+            files.append(i)
+            offsets.append(offset)
+            lines.append(line)
+
+        for i, f in enumerate(self.files):
+            if not f.is_file():
+                raise CalibrationError(f"--shuffle-docs reads documents in a random order, "
+                                       f"which needs files: {f} is not a regular file")
+            if f.suffix != ".jsonl":
+                add(i, -1, 0)  # the whole file
+                continue
+            with _open(f) as fh:
+                pos = 0
+                for n, raw in enumerate(fh, 1):
+                    if raw.strip():
+                        add(i, pos, n)
+                    pos += len(raw)
+        perm = torch.randperm(len(files), generator=torch.Generator().manual_seed(seed))
+        self._order = (files, offsets, lines, perm)
+
+    def __iter__(self):
+        for doc in self._in_file_order() if self._order is None else self._shuffled():
+            self.count += 1
+            yield doc
+
+    def _in_file_order(self):
+        for f in self.files:
+            if f.suffix != ".jsonl":
+                yield _text_pieces(f)
+                continue
+            with _open(f) as fh:
+                for n, raw in enumerate(fh, 1):
+                    if raw.strip():
+                        yield [_jsonl_text(f, n, raw)]
+
+    def _shuffled(self):
+        files, offsets, lines, perm = self._order
+        with contextlib.ExitStack() as stack:
+            handles = {}
+            for j in perm.tolist():
+                f = self.files[files[j]]
+                if offsets[j] < 0:
+                    yield _text_pieces(f)
+                    continue
+                if f not in handles:
+                    handles[f] = stack.enter_context(_open(f))
+                handles[f].seek(offsets[j])
+                yield [_jsonl_text(f, lines[j], handles[f].readline())]
+
+
+def read_documents(paths: list[str]) -> Documents:
+    """The calibration text of ``paths`` (files and folders of .txt/.rst/.md, or .jsonl
+    with a "text" field), to pass to token_sequences."""
+    return Documents(paths)
 
 
 def token_sequences(tokenizer, docs, seq_len: int, max_tokens: int,
                     shuffle_seed: int | None = None) -> list[list[int]]:
-    """Documents cut into sequences of at most ``seq_len`` tokens, BOS first if any, until
-    ``max_tokens``: in file order, or in a seeded random order (a sample of the whole
-    text, not its first documents)."""
+    """Documents (``Documents``, or a list of strings) cut into sequences of at most
+    ``seq_len`` tokens, BOS first if any, until ``max_tokens``: in file order, or in a
+    seeded random order (a sample of the whole text, not its first documents). Reads the
+    documents only as far as that needs. Sequences under ``MIN_TOKENS`` are skipped."""
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    step = seq_len - len(bos)
     if shuffle_seed is not None:
-        docs = [docs[i] for i in torch.randperm(len(docs), generator=torch.Generator().manual_seed(shuffle_seed))]
-    seqs, total = [], 0
+        if isinstance(docs, Documents):
+            docs.shuffle(shuffle_seed)
+        else:
+            gen = torch.Generator().manual_seed(shuffle_seed)
+            docs = [docs[i] for i in torch.randperm(len(docs), generator=gen)]
+    seqs, total, longest = [], 0, 0
     for doc in docs:
-        ids = tokenizer(doc, add_special_tokens=False)["input_ids"]
-        step = seq_len - len(bos)
-        for s in range(0, len(ids), step):
-            chunk = bos + ids[s : s + step]
-            if len(chunk) < 16:
+        length = 0
+        for ids in _chunks(tokenizer, [doc] if isinstance(doc, str) else doc, step):
+            length += len(ids)
+            chunk = (bos + ids)[: max_tokens - total]
+            if len(chunk) < MIN_TOKENS:
                 continue
-            seqs.append(chunk[: max_tokens - total])
-            total += len(seqs[-1])
-            if total >= max_tokens:
+            seqs.append(chunk)
+            total += len(chunk)
+            if max_tokens - total < MIN_TOKENS:
                 return seqs
-    return seqs
+        longest = max(longest, length)
+    if seqs:
+        return seqs
+    where = " ".join(docs.paths) if isinstance(docs, Documents) else "the documents"
+    if not longest:
+        raise CalibrationError(f"no text found in {where} (folders are searched for files "
+                               f"ending in {', '.join(TEXT_SUFFIXES)})")
+    raise CalibrationError(f"no document in {where} has the {MIN_TOKENS - len(bos)} tokens a "
+                           f"sequence needs (the longest has {longest}); give longer documents")
+
+
+def _chunks(tokenizer, pieces, step: int):
+    """One document's token ids (its text pieces tokenized in turn) in runs of ``step``,
+    the last one shorter."""
+    buf = []
+    for piece in pieces:
+        buf += tokenizer(piece, add_special_tokens=False)["input_ids"]
+        full = len(buf) - len(buf) % step
+        yield from (buf[s : s + step] for s in range(0, full, step))
+        buf = buf[full:]
+    if buf:
+        yield buf
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -291,7 +440,8 @@ def _weights(mass: torch.Tensor, alpha: float) -> torch.Tensor | None:
 
 
 def _pin(cents: torch.Tensor, x: torch.Tensor) -> None:
-    """Make ``x [H, d]`` exact: per subspace, its nearest centroid becomes it.
+    """Make ``x [H, d]`` exact: per subspace, its nearest centroid becomes it, never the
+    marker's slot (``NAN_CODE`` of subspace 0, NaN while serving: codebooks.nan_marked).
 
     Used for the first token's K/V (the attention sink): nearly every query puts much of
     its attention there, so its error reaches every output, and it is a single far-out
@@ -299,25 +449,39 @@ def _pin(cents: torch.Tensor, x: torch.Tensor) -> None:
     over bf16 unpinned, +6% pinned)."""
     h, m, _, ds = cents.shape
     xs = x.view(h, m, 1, ds)
-    idx = ((cents - xs) ** 2).sum(-1).argmin(-1)  # [H, m]
+    dist = ((cents - xs) ** 2).sum(-1)  # [H, m, 256]
+    dist[:, 0, NAN_CODE] = float("inf")
+    idx = dist.argmin(-1)  # [H, m]
     cents[torch.arange(h)[:, None], torch.arange(m)[None], idx] = xs[:, :, 0]
 
 
 def train_quantizer(x, m, weights, transform, niter, seed, sink=None):
     """k-means of ``x [n, H, d]`` mapped by ``transform [H, d, d]`` (or None), M subspaces.
-    Returns centroids ``[H, m, 256, d/m]`` (in the mapped space) and rel. error ``[H]``."""
+    Returns centroids ``[H, m, 256, d/m]`` (in the mapped space) and rel. error ``[H]``.
+
+    Subspace 0 trains one centroid fewer: its slot ``NAN_CODE`` is the serving's marker
+    of non-finite K/V, and holds a copy of code 0 (codebooks.reserve_nan_code), so the
+    marker takes no centroid that anything, the pinned sink included, is coded with."""
     n, h, d = x.shape
     ds = d // m
     if transform is not None:
         x = torch.einsum("nhd,hde->nhe", x, transform.to(x))
-    xs = x.view(n, h, m, ds).permute(1, 2, 0, 3).reshape(h * m, n, ds).contiguous()
-    w = None if weights is None else weights.to(x).repeat_interleave(m, 0)
-    cents, err = kmeans(xs, w, NUM_CENTROIDS, niter, seed)
-    cents = cents.view(h, m, NUM_CENTROIDS, ds)
+    xs = x.view(n, h, m, ds).permute(1, 2, 0, 3).contiguous()  # [H, m, n, ds]
+    w = None if weights is None else weights.to(x)  # [H, n]
+    cents = x.new_empty(h, m, NUM_CENTROIDS, ds)
+    err = x.new_empty(h, m)
+    free = [c for c in range(NUM_CENTROIDS) if c != NAN_CODE]
+    cents[:, 0, free], err[:, 0] = kmeans(xs[:, 0], w, NUM_CENTROIDS - 1, niter, seed)
+    if m > 1:
+        c, e = kmeans(xs[:, 1:].reshape(h * (m - 1), n, ds),
+                      None if w is None else w.repeat_interleave(m - 1, 0),
+                      NUM_CENTROIDS, niter, seed + 1)
+        cents[:, 1:], err[:, 1:] = c.view(h, m - 1, NUM_CENTROIDS, ds), e.view(h, m - 1)
     if sink is not None:
         s = sink.to(x)
         _pin(cents, s if transform is None else torch.einsum("hd,hde->he", s, transform.to(x)))
-    return cents, err.view(h, m).mean(1)
+    reserve_nan_code(cents)
+    return cents, err.mean(1)
 
 
 def _map(x, metric, gamma: float, rotate: bool, m: int, device):
@@ -364,19 +528,34 @@ def train(stats: list[LayerStats], m_k: int, m_v: int, method: Method, seed: int
                 rel_mse_v=[round(float(o["err_v"].mean()), 5) for o in out])
 
 
+# Calibration time grows with parameters x tokens (the forward passes): SmolLM2-135M with the
+# default 65536 tokens took about 40 minutes on a CPU and 26-31 s on an H100.
+CPU_PARAM_TOKENS_PER_S = 135e6 * 65536 / (40 * 60)
+BITS = sorted({b for pair in BIT_RATES for b in pair})
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        """A bad argument in one line, exit status 2 (argparse's would add the usage)."""
+        self.exit(2, f"calibrate: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="python -m vllm_pq_backend.calibrate",
         description="Train per-layer, per-KV-head PQ codebooks for the CUSTOM backend.",
     )
     p.add_argument("--model", required=True, help="local Hugging Face model folder")
     p.add_argument(
         "--text", required=True, nargs="+",
-        help="calibration text: files or folders of .txt/.rst/.md, or .jsonl with 'text'",
+        help="calibration text: files, pipes or folders (searched for .txt/.rst/.md, and "
+             ".jsonl with a 'text' field per line); UTF-8, read only as far as --tokens needs",
     )
-    p.add_argument("--bits", "--bits-k", dest="bits", type=int, default=4,
+    bits = ",".join(map(str, BITS))
+    p.add_argument("--bits", "--bits-k", dest="bits", type=int, default=4, choices=BITS,
+                   metavar="{%s}" % bits,
                    help="bits per element of K (and of V unless --bits-v): 4 (default), 2 or 1")
-    p.add_argument("--bits-v", type=int, default=None,
+    p.add_argument("--bits-v", type=int, default=None, choices=BITS, metavar="{%s}" % bits,
                    help="bits per element of V when it differs from K's (K 4 / V 2: 3 bits "
                         "per element on average)")
     p.add_argument("--m", type=int, default=None,
@@ -385,9 +564,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="V subspaces per head instead of --bits-v (default: as K)")
     p.add_argument("--out", default=None,
                    help="output file (default MODEL/pq/codebooks_m<Mk>[_v<Mv>].safetensors)")
-    p.add_argument("--tokens", type=int, default=65536, help="calibration tokens to run (default 65536)")
-    p.add_argument("--samples", type=int, default=32768, help="K/V rows kept per layer and head for training (default 32768)")
-    p.add_argument("--seq-len", type=int, default=2048, help="tokens per forward pass (default 2048)")
+    p.add_argument("--tokens", type=int, default=65536,
+                   help=f"calibration tokens to run (default 65536, at least {NUM_CENTROIDS})")
+    p.add_argument("--samples", type=int, default=32768,
+                   help="K/V rows kept per layer and head for training (default 32768, at "
+                        f"least {NUM_CENTROIDS})")
+    p.add_argument("--seq-len", type=int, default=2048,
+                   help=f"tokens per forward pass (default 2048, at least {MIN_TOKENS})")
     p.add_argument("--niter", type=int, default=Method.niter, help=f"k-means iterations (default {Method.niter})")
     p.add_argument("--window", type=int, default=128,
                    help="the serving window the statistics assume (default 128)")
@@ -397,8 +580,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a training setting (fields of calibrate.Method, e.g. "
                         "v_gamma=0.5); for ablations, the defaults are the best measured")
     p.add_argument("--shuffle-docs", action="store_true",
-                   help="take --tokens from documents in a seeded random order, not file order")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+                   help="take --tokens from documents in a seeded random order, not file "
+                        "order (indexes every document first: files, not pipes)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="where the model runs and k-means trains: cuda (the default when "
+                        "torch sees a GPU), cuda:N for GPU N, or cpu (the default otherwise; "
+                        "slow: SmolLM2-135M takes about 40 minutes on a CPU, 30 s on an H100)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                    help="model dtype for the forward passes (default bfloat16, as served)")
     p.add_argument("--seed", type=int, default=0)
@@ -414,33 +601,119 @@ def _overrides(parser, items: list[str]) -> dict:
         if name not in fields or not value:
             parser.error(f"--method {item}: expected FIELD=VALUE with FIELD one of {sorted(fields)}")
         conv = fields[name]
-        out[name] = value.lower() in ("1", "true", "yes") if conv is bool else conv(value)
+        try:
+            out[name] = value.lower() in ("1", "true", "yes") if conv is bool else conv(value)
+        except ValueError:
+            parser.error(f"--method {item}: {name} takes a {conv.__name__}")
     return out
 
 
-def _positive(parser, name, value):
-    if value is not None and value <= 0:
-        parser.error(f"{name} must be a positive integer, got {value}")
+def _check_args(parser, args) -> None:
+    """What the arguments alone can tell is wrong, before anything is loaded."""
+    for name in ("m", "m_v", "tokens", "samples", "seq_len", "niter"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+    if args.seq_len < MIN_TOKENS:
+        parser.error(f"--seq-len must be at least {MIN_TOKENS} (shorter sequences are too "
+                     f"short to calibrate with), got {args.seq_len}")
+    for name in ("tokens", "samples"):
+        if getattr(args, name) < NUM_CENTROIDS:
+            parser.error(f"--{name} must be at least {NUM_CENTROIDS} (k-means trains "
+                         f"{NUM_CENTROIDS} centroids per subspace), got {getattr(args, name)}")
+    if args.window < 0:
+        parser.error(f"--window must be >= 0, got {args.window}")
+    try:
+        device = torch.device(args.device)
+    except (RuntimeError, ValueError):
+        parser.error(f"--device {args.device}: not a device; give cuda, cuda:N or cpu")
+    if device.type == "cuda":
+        n = torch.cuda.device_count()
+        if n == 0:
+            parser.error(f"--device {args.device}: torch {torch.__version__} sees no CUDA GPU "
+                         "here; run where one is, or give --device cpu (slow)")
+        if (device.index or 0) >= n:
+            parser.error(f"--device {args.device}: torch sees {n} CUDA GPU(s), cuda:0 to "
+                         f"cuda:{n - 1}")
+
+
+def _subspaces(parser, args, head_dim: int) -> tuple[int, int]:
+    """(Mk, Mv) the arguments ask for, if the kernels are built for them."""
+    m = args.m if args.m is not None else subspaces(head_dim, args.bits)
+    if args.m_v is not None:
+        m_v = args.m_v
+    else:
+        m_v = subspaces(head_dim, args.bits_v) if args.bits_v is not None else m
+    if (m, m_v) not in supported_m(head_dim):
+        given = [f"--m {args.m}" if args.m is not None else f"--bits {args.bits}"]
+        if args.m_v is not None:
+            given.append(f"--m-v {args.m_v}")
+        elif args.bits_v is not None:
+            given.append(f"--bits-v {args.bits_v}")
+        parser.error(f"{' '.join(given)} asks for {describe_m(head_dim, m, m_v)}, which is not "
+                     f"built; head_dim {head_dim} supports {supported_m_text(head_dim)}")
+    return m, m_v
+
+
+def cpu_warning(params: int, tokens: int) -> str:
+    """One line: calibration on the CPU is slow, about how slow, and how to pick a GPU."""
+    seconds = params * tokens / CPU_PARAM_TOKENS_PER_S
+    minutes = round(seconds / 60)
+    took = ("under a minute" if seconds < 60 else
+            f"about {minutes} minute{'s' if minutes > 1 else ''}" if seconds < 5400 else
+            f"about {seconds / 3600:.1f} hours")
+    size = (f"{params / 1e9:.1f}B" if params >= 1e9 else
+            f"{params / 1e6:.0f}M" if params >= 1e7 else f"{params / 1e6:.2f}M")
+    return (f"calibrate: warning: running on the CPU: {took} for {size} parameters x {tokens} "
+            f"tokens (SmolLM2-135M x 65536: 40 minutes, 30 s on an H100); give --device cuda "
+            f"(or cuda:N) to run on a GPU"
+            + ("" if torch.cuda.device_count() else " (torch sees none here)"))
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+@contextlib.contextmanager
+def _loading(path: str, what: str):
+    """transformers' errors on a model folder, as one line."""
+    try:
+        yield
+    except (OSError, ValueError, KeyError) as e:
+        raise CalibrationError(f"--model {path}: cannot load its {what} with transformers "
+                               f"({_first_line(e)})") from None
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    with _loading(path, "tokenizer"):
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def load_weights(path: str, dtype: str, device: str):
+    """(config, model) from a local model folder."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with _loading(path, "weights"):
+        cfg = AutoConfig.from_pretrained(path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, local_files_only=True, dtype=getattr(torch, dtype))
+    return cfg, model.to(device).eval()
 
 
 def load_model(path: str, dtype: str, device: str):
     """(config, tokenizer, model) from a local model folder."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    cfg = AutoConfig.from_pretrained(path, local_files_only=True)
-    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(
-        path, local_files_only=True, dtype=getattr(torch, dtype)).to(device).eval()
+    tok = load_tokenizer(path)
+    cfg, model = load_weights(path, dtype, device)
     return cfg, tok, model
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    for name in ("m", "m_v", "bits", "bits_v", "tokens", "samples", "seq_len", "niter"):
-        _positive(parser, "--" + name.replace("_", "-"), getattr(args, name))
-    if args.window < 0:
-        parser.error(f"--window must be >= 0, got {args.window}")
+    _check_args(parser, args)
     try:
         return _run(args, parser)
     except CalibrationError as e:
@@ -455,14 +728,12 @@ def _run(args, parser) -> int:
                                "Hugging Face model folder (README: eval/prepare.py makes one)")
     from transformers import AutoConfig
 
-    d = head_dim_of(AutoConfig.from_pretrained(args.model, local_files_only=True))
-    m = args.m if args.m is not None else subspaces(d, args.bits)
-    if args.m_v is not None:
-        m_v = args.m_v
-    else:
-        m_v = subspaces(d, args.bits_v) if args.bits_v is not None else m
-    if (m, m_v) not in supported_m(d):
-        parser.error(f"head_dim {d} supports {supported_m_text(d)}; got Mk={m}, Mv={m_v}")
+    try:
+        d = head_dim_of(AutoConfig.from_pretrained(args.model, local_files_only=True))
+    except (OSError, ValueError, KeyError, AttributeError) as e:
+        raise CalibrationError(f"--model {args.model}: its config.json is not a transformers "
+                               f"model config ({_first_line(e)})") from None
+    m, m_v = _subspaces(parser, args, d)
     out = args.out or default_codebook_path(args.model, m, m_v)
     method = default_method(bits_of(d, m_v), args.niter)
     if args.plain:
@@ -470,24 +741,34 @@ def _run(args, parser) -> int:
     method = replace(method, **_overrides(parser, args.method))
 
     docs = read_documents(args.text)
-    cfg, tok, model = load_model(args.model, args.dtype, args.device)
+    tok = load_tokenizer(args.model)
     seqs = token_sequences(tok, docs, args.seq_len, args.tokens,
                            args.seed if args.shuffle_docs else None)
     total = sum(map(len, seqs))
-    print(f"calibration: {len(docs)} documents, {len(seqs)} sequences, {total} tokens, "
+    if total < NUM_CENTROIDS:
+        raise CalibrationError(f"{' '.join(args.text)} gives {total} tokens in sequences of "
+                               f"{MIN_TOKENS} or more; k-means needs {NUM_CENTROIDS}")
+    cfg, model = load_weights(args.model, args.dtype, args.device)
+    print(f"calibration: {docs.count} documents, {len(seqs)} sequences, {total} tokens, "
           f"{describe_m(d, m, m_v)}, device {args.device}", flush=True)
+    if torch.device(args.device).type == "cpu":
+        print(cpu_warning(sum(p.numel() for p in model.parameters()), total), file=sys.stderr,
+              flush=True)
     if min(args.samples, total) < 39 * NUM_CENTROIDS:
-        print(f"warning: {min(args.samples, total)} samples per head is few for 256 "
+        print(f"calibrate: warning: {min(args.samples, total)} samples per head is few for 256 "
               f"centroids; k-means wants at least {39 * NUM_CENTROIDS}", file=sys.stderr)
     stats = capture(model, tok, seqs, min(1.0, args.samples / total), args.seed, args.window,
                     args.device)
     del model
-    books = train(stats, m, m_v, method, args.seed, args.device)
     samples = int(sum(x.shape[0] for x in stats[0].k))
+    if samples < NUM_CENTROIDS:  # rows kept per sequence are rounded
+        raise CalibrationError(f"{samples} samples per head kept; k-means needs "
+                               f"{NUM_CENTROIDS}: raise --samples")
+    books = train(stats, m, m_v, method, args.seed, args.device)
     save_codebooks(out, books["k"], books["v"], cfg, {
         "model": os.path.abspath(args.model),
         "texts": [os.path.abspath(t) for t in args.text],
-        "documents": len(docs), "tokens": total, "samples_per_head": samples,
+        "documents": docs.count, "tokens": total, "samples_per_head": samples,
         "seed": args.seed, "dtype": args.dtype, "window": args.window,
         "shuffle_docs": args.shuffle_docs,
         "method": asdict(method), "pinned_bos_sink": stats[0].sink is not None,

@@ -10,6 +10,10 @@ Metadata (strings): ``format``, ``fingerprint`` (hash of the model's attention-r
 config), ``fingerprint_fields`` (JSON, to say what differs), ``head_dim``, ``m_k``, ``m_v``,
 ``bits_k``, ``bits_v`` (per element), ``k_post_rope``, ``num_layers``, ``num_kv_heads``,
 ``model``, ``calibration`` (JSON). Formats 1 and 2 had one ``m`` for K and V.
+
+A file is checked before use, not trusted: the metadata must be complete and agree with
+the tensors' shapes (read_info), and every centroid and map must be finite, every map
+invertible (load_layer, load_transforms, as each layer is read).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import os
 from dataclasses import dataclass
 
@@ -31,6 +36,11 @@ FORMAT = "vllm_pq_backend/codebooks/3"
 # 1: no transforms; 1 and 2: one M for K and V
 READABLE = ("vllm_pq_backend/codebooks/1", "vllm_pq_backend/codebooks/2", FORMAT)
 TRANSFORMS = ("k_transform", "v_transform")
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names
+
+# Named under vllm's logger, as vllm_pq_backend/__init__.py explains; plain logging, so
+# that the calibration command does not import vLLM for it.
+logger = logging.getLogger(f"vllm.{__name__}")
 
 
 def _rope_theta(cfg) -> float | None:
@@ -150,12 +160,18 @@ class CodebookInfo:
 
 
 def read_info(path: str) -> CodebookInfo:
-    """The file's header, read once per version of the file: the cache key holds its
-    modification time and size, so a file recalibrated in place is read again."""
+    """The file's header, checked against its tensors' shapes, read once per version of
+    the file: the cache key holds its modification time and size, so a file recalibrated
+    in place is read again."""
     if not os.path.isfile(path):
         raise CodebookError(f"PQ codebook file not found: {path}. " + calibrate_hint())
     st = os.stat(path)
     return _read_info(path, st.st_mtime_ns, st.st_size)
+
+
+def _damaged(path: str, what: str) -> CodebookError:
+    return CodebookError(f"PQ codebook file {path}: {what}; it is not as the calibration "
+                         "wrote it (damaged or edited). " + calibrate_hint())
 
 
 @functools.lru_cache(maxsize=16)
@@ -163,25 +179,77 @@ def _read_info(path: str, _mtime_ns: int, _size: int) -> CodebookInfo:
     try:
         with safe_open(path, framework="pt") as f:
             meta = f.metadata() or {}
-            names = set(f.keys())
+            slices = {name: f.get_slice(name) for name in f.keys()}
+            shapes = {name: s.get_shape() for name, s in slices.items()}
+            dtypes = {name: s.get_dtype() for name, s in slices.items()}
     except Exception as e:  # a truncated or foreign file
         raise CodebookError(f"{path} is not a readable safetensors file ({e}).") from e
-    if meta.get("format") not in READABLE or {"k_centroids", "v_centroids"} - names:
+    if meta.get("format") not in READABLE or {"k_centroids", "v_centroids"} - set(shapes):
         raise CodebookError(
             f"{path} is not a vllm_pq_backend codebook file (format "
             f"{meta.get('format')!r}, expected {FORMAT!r}). " + calibrate_hint()
         )
-    m_k, m_v = (int(meta[k] if k in meta else meta["m"]) for k in ("m_k", "m_v"))
+
+    def number(key: str, old_key: str | None = None) -> int:
+        if key not in meta and old_key in meta:  # formats 1 and 2
+            key = old_key
+        if key not in meta:
+            raise _damaged(path, f"its metadata has no {key!r}")
+        try:
+            value = int(meta[key])
+        except ValueError:
+            raise _damaged(path, f"metadata {key}={meta[key]!r} is not an integer") from None
+        if value <= 0:
+            raise _damaged(path, f"metadata {key}={value} is not positive")
+        return value
+
+    m_k, m_v = number("m_k", "m"), number("m_v", "m")
+    d, layers, heads = number("head_dim"), number("num_layers"), number("num_kv_heads")
+    for key in ("fingerprint", "fingerprint_fields"):
+        if key not in meta:
+            raise _damaged(path, f"its metadata has no {key!r}")
+    try:
+        fields = json.loads(meta["fingerprint_fields"])
+    except json.JSONDecodeError:
+        fields = None
+    if not isinstance(fields, dict):
+        raise _damaged(path, "metadata fingerprint_fields is not a JSON object")
+    for key, have in (("num_hidden_layers", layers), ("num_key_value_heads", heads),
+                      ("head_dim", d)):
+        if key in fields and fields[key] != have:
+            raise _damaged(path, f"fingerprint_fields says {key}={fields[key]!r}, the "
+                                 f"header {have}")
+    for m in (m_k, m_v):
+        if d % m:
+            raise _damaged(path, f"head_dim {d} is not a multiple of its {m} subspaces")
+    want = {"k_centroids": [layers, heads, m_k, NUM_CENTROIDS, d // m_k],
+            "v_centroids": [layers, heads, m_v, NUM_CENTROIDS, d // m_v]}
+    want.update({name: [layers, heads, d, d] for name in TRANSFORMS if name in shapes})
+    for name, shape in want.items():
+        if shapes[name] != shape:
+            raise _damaged(path, f"{name} has shape {shapes[name]}, its metadata (num_layers "
+                                 f"{layers}, num_kv_heads {heads}, head_dim {d}, m_k {m_k}, "
+                                 f"m_v {m_v}) says {shape}")
+        if dtypes[name] not in FLOAT_DTYPES:
+            raise _damaged(path, f"{name} is {dtypes[name]}, not floating point")
+    with safe_open(path, framework="pt") as f:  # subspace 0, where the marker is: a small read
+        sub0 = [f.get_slice(name)[:, :, 0] for name in ("k_centroids", "v_centroids")]
+    if not all(nan_code_free(c.unsqueeze(2)) for c in sub0):
+        logger.warning(
+            "PQ codebooks %s: code %d of subspace 0 holds a trained centroid, which serving "
+            "gives up to mark non-finite K/V (layout.NAN_CODE); vectors nearest to it, the "
+            "BOS attention sink among them, are coded less exactly. %s",
+            path, NAN_CODE, calibrate_hint())
     return CodebookInfo(
         path=path,
         m_k=m_k,
         m_v=m_v,
-        head_dim=int(meta["head_dim"]),
-        num_layers=int(meta["num_layers"]),
-        num_kv_heads=int(meta["num_kv_heads"]),
+        head_dim=d,
+        num_layers=layers,
+        num_kv_heads=heads,
         fingerprint=meta["fingerprint"],
-        fields=json.loads(meta["fingerprint_fields"]),
-        transforms=tuple(t for t in TRANSFORMS if t in names),
+        fields=fields,
+        transforms=tuple(t for t in TRANSFORMS if t in shapes),
     )
 
 
@@ -215,36 +283,77 @@ def validate(info: CodebookInfo, cfg, want_m: int | None, want_m_v: int | None,
         )
 
 
-def load_layer(info: CodebookInfo, layer: int, heads: slice) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 K and V centroids of one layer, ``[heads, Mk, 256, head_dim/Mk]`` and
-    ``[heads, Mv, 256, head_dim/Mv]``."""
+def _layer_index(info: CodebookInfo, layer: int) -> None:
     if not 0 <= layer < info.num_layers:
         raise CodebookError(f"{info.path} has {info.num_layers} layers, asked for layer {layer}")
+
+
+def _finite(info: CodebookInfo, layer: int, name: str, t: torch.Tensor) -> torch.Tensor:
+    if not torch.isfinite(t).all():
+        raise _damaged(info.path, f"layer {layer}'s {name} hold NaN or infinity")
+    return t
+
+
+def load_layer(info: CodebookInfo, layer: int, heads: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 K and V centroids of one layer, ``[heads, Mk, 256, head_dim/Mk]`` and
+    ``[heads, Mv, 256, head_dim/Mv]``; a non-finite centroid is refused (CodebookError)."""
+    _layer_index(info, layer)
     with safe_open(info.path, framework="pt") as f:
         k = f.get_slice("k_centroids")[layer, heads]
         v = f.get_slice("v_centroids")[layer, heads]
-    return k.float().contiguous(), v.float().contiguous()
+    return (_finite(info, layer, "K centroids", k.float().contiguous()),
+            _finite(info, layer, "V centroids", v.float().contiguous()))
 
 
 def nan_marked(centroids: torch.Tensor) -> torch.Tensor:
     """The centroids as served: ``layout.NAN_CODE`` of subspace 0 made NaN, the marker of
-    non-finite K/V (layout.py). It costs subspace 0 one of its 256 centroids."""
+    non-finite K/V (layout.py). Calibration leaves that slot a copy of a lower code
+    (reserve_nan_code), so the marker takes no centroid any finite vector would get."""
     out = centroids.clone()
     out[:, 0, NAN_CODE] = float("nan")
     return out
 
 
+def reserve_nan_code(centroids: torch.Tensor) -> None:
+    """Make the marker's slot (``NAN_CODE`` of subspace 0) of ``centroids [..., M, 256,
+    ds]`` a copy of code 0, in place: never nearest, as ties go to the first index, so
+    the file codes exactly as served even where nothing marks it."""
+    centroids[..., 0, NAN_CODE, :] = centroids[..., 0, 0, :]
+
+
+def nan_code_free(centroids: torch.Tensor) -> bool:
+    """Whether the marker's slot of ``centroids [..., M, 256, ds]`` copies a lower code
+    in every codebook: then nan_marked costs nothing."""
+    sub0 = centroids[..., 0, :, :].float()
+    same = (sub0[..., :NAN_CODE, :] == sub0[..., NAN_CODE : NAN_CODE + 1, :]).all(-1)
+    return bool(same.any(-1).all())
+
+
 def load_transforms(info: CodebookInfo, layer: int, heads: slice):
-    """float32 K and V transforms of one layer, ``[heads, d, d]`` each, or None (identity)."""
+    """float32 K and V transforms of one layer, ``[heads, d, d]`` each, or None (identity);
+    a non-finite or singular map is refused (CodebookError)."""
+    _layer_index(info, layer)
     out = []
     with safe_open(info.path, framework="pt") as f:
         for name in TRANSFORMS:
-            out.append(f.get_slice(name)[layer, heads].float().contiguous()
-                       if name in info.transforms else None)
+            if name not in info.transforms:
+                out.append(None)
+                continue
+            t = _finite(info, layer, name, f.get_slice(name)[layer, heads].float().contiguous())
+            if (torch.linalg.inv_ex(t.double()).info != 0).any():
+                raise _damaged(info.path, f"layer {layer}'s {name} is singular (not invertible)")
+            out.append(t)
     return tuple(out)
 
 
 def calibration_of(info: CodebookInfo) -> dict:
     """The calibration settings a file records (its ``calibration`` metadata)."""
     with safe_open(info.path, framework="pt") as f:
-        return json.loads((f.metadata() or {}).get("calibration", "{}"))
+        text = (f.metadata() or {}).get("calibration", "{}")
+    try:
+        out = json.loads(text)
+    except json.JSONDecodeError:
+        out = None
+    if not isinstance(out, dict):
+        raise _damaged(info.path, "metadata calibration is not a JSON object")
+    return out

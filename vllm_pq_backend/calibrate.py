@@ -768,7 +768,7 @@ def _run(args, parser) -> int:
     save_codebooks(out, books["k"], books["v"], cfg, {
         "model": os.path.abspath(args.model),
         "texts": [os.path.abspath(t) for t in args.text],
-        "documents": docs.count, "tokens": total, "samples_per_head": samples,
+        "documents": docs.count, "tokens": total, "seq_len": args.seq_len, "samples_per_head": samples,
         "seed": args.seed, "dtype": args.dtype, "window": args.window,
         "shuffle_docs": args.shuffle_docs,
         "method": asdict(method), "pinned_bos_sink": stats[0].sink is not None,

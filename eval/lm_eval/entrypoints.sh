@@ -2,7 +2,7 @@
 # The three ways users reach the CUSTOM backend, on SmolLM2-135M with its calibrated
 # codebooks next to the model: `vllm serve` (OpenAI API), offline `LLM.generate`, and
 # `lm_eval --model vllm` (loglikelihood_rolling on held-out text, against FLASH_ATTN).
-#   eval/entrypoints.sh [MODEL_DIR] [LOG]      (LM_EVAL_TIMEOUT: seconds per lm-eval run)
+#   eval/lm_eval/entrypoints.sh [MODEL_DIR] [LOG]      (LM_EVAL_TIMEOUT: seconds per lm-eval run)
 set -euo pipefail
 MODEL=${1:-eval/data/smollm2}
 LOG=${2:-eval/results/entrypoints.log}

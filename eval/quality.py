@@ -5,7 +5,7 @@ vLLM reports, for FLASH_ATTN, fp8, TURBOQUANT 4bit_nc and CUSTOM with the given 
 files and windows, all in one run. Writes eval/results/accuracy.json (one row per
 configuration and domain) and its plot.
 
-    python eval/e2e_smollm2.py --model eval/data/smollm2 \
+    python eval/quality.py --model eval/data/smollm2 \
         --eval python=eval/data/text/heldout.jsonl kernel=eval/data/text/kernel.jsonl \
                fortunes=eval/data/text/fortunes.jsonl \
         --codebooks eval/data/smollm2/pq/codebooks_m32.safetensors \
@@ -20,12 +20,11 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import os
 import sys
 import time
 
-from provenance import codebook_meta, provenance  # eval/ is the script's directory
+from common import codebook_meta, load_docs, prompt_perplexity, provenance
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # read the engine's KV size
 
@@ -34,30 +33,6 @@ BASELINES = {  # name -> LLM(...) arguments
     "fp8": dict(kv_cache_dtype="fp8"),
     "TURBOQUANT 4bit_nc": dict(kv_cache_dtype="turboquant_4bit_nc"),
 }
-
-
-def load_docs(path, tokenizer, max_len, n_docs):
-    """``n_docs`` documents spread evenly over the file (its order is by topic), BOS
-    first, cut at ``max_len`` tokens."""
-    docs = [json.loads(line)["text"] for line in open(path)]
-    step = max(1, len(docs) // n_docs)
-    return [([tokenizer.bos_token_id] + tokenizer(t, add_special_tokens=False)["input_ids"])[:max_len]
-            for t in docs[::step][:n_docs]]
-
-
-def prompt_perplexity(llm, docs) -> tuple[float, int]:
-    """(token perplexity, scored tokens) of token-id documents through vLLM's prefill."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    outs = llm.generate([TokensPrompt(prompt_token_ids=d) for d in docs],
-                        SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-    nll, count = 0.0, 0
-    for d, o in zip(docs, outs):
-        for tok, lp in zip(d[1:], o.prompt_logprobs[1:]):
-            nll -= lp[tok].logprob
-            count += 1
-    return math.exp(nll / count), count
 
 
 def run_engine(kw, args, domains, prompts):

@@ -4,7 +4,7 @@ inside the residual window, the BOS sink pinned), computed in transformers on th
 (or CPU). One process loads the model, captures the calibration statistics once, trains
 every configuration (vllm_pq_backend.calibrate.train) and scores every text domain.
 On the same documents it agreed with vLLM within 0.06 points of perplexity change
-(docs/results.md); winners are confirmed in vLLM by eval/e2e_smollm2.py.
+(docs/results.md); winners are confirmed in vLLM by eval/quality.py.
 
     python eval/accuracy_sim.py --model eval/data/smollm2 --calib eval/data/text/calib.jsonl \
         --eval python=eval/data/text/heldout.jsonl kernel=eval/data/text/kernel.jsonl \
@@ -25,8 +25,7 @@ import time
 from dataclasses import asdict, replace
 
 import torch
-from e2e_smollm2 import load_docs  # eval/ is the script's directory
-from provenance import provenance
+from common import load_docs, provenance
 
 from vllm_pq_backend import calibrate, codebooks
 from vllm_pq_backend.calibrate import Method, rotate_half

@@ -33,7 +33,7 @@ import sys
 
 import numpy as np
 import torch
-from provenance import provenance, write_result  # eval/ is the script's directory
+from common import provenance, write_result
 
 HQ, HKV, D = 32, 8, 128
 SHAPES = {"llama3-8b": (32, 8), "qwen2.5-7b": (28, 4)}  # (query heads, KV heads), d = 128

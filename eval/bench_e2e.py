@@ -9,13 +9,15 @@ Decode is measured apart from prefill, on the same prompts with prefix caching o
   t_1    = generate(max_tokens=1)      cached prefill: the last partial block again
   t_n    = generate(max_tokens=1 + N)  the same, then N decode steps for every request
 decode tokens/s = batch * N / (t_n - t_1). Each run appends its rows to --out; run it
-once per backend, then the table compares them:
+once per backend; eval/report.py makes the tables (each row against FLASH_ATTN's of the
+same run, by git commit) and --plot the figure:
 
     python eval/bench_e2e.py --backend FLASH_ATTN
-    python eval/bench_e2e.py --backend CUSTOM --m 32
+    python eval/bench_e2e.py --backend CUSTOM --m 64         # 4 bits per element (head_dim 128)
+    python eval/bench_e2e.py --backend CUSTOM --m 32         # 2 bits
     python eval/bench_e2e.py --backend CUSTOM --m 64 --maps  # codebooks with K/V maps
     python eval/bench_e2e.py --backend TURBOQUANT
-    python eval/bench_e2e.py --table
+    python eval/bench_e2e.py --plot
 """
 
 from __future__ import annotations
@@ -24,79 +26,13 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 
-from provenance import provenance  # eval/ is the script's directory
+from common import append_rows, engine_backend, make_model_dir, provenance
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # read the engine's KV size
 
-LLAMA3_8B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
-    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0, "max_position_embeddings": 131072, "hidden_act": "silu",
-    "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": 128001,
-    "tie_word_embeddings": False,
-}
 CONTEXTS = (1024, 8192, 32768)
-
-
-def write_model_dir(d: str, ms, maps: bool = False) -> str:
-    """config.json of Llama-3-8B's shape in ``d``, and random codebooks for CUSTOM with
-    each M of ``ms`` (speed does not depend on what the centroids are). With ``maps`` the
-    codebooks carry K and V maps, as ``calibrate`` writes them by default: random rotations,
-    so that the query / key / value / output maps run as with calibrated codebooks while the
-    store sees rows distributed as without maps (speed does not depend on the maps' values)."""
-    import torch
-    from transformers import LlamaConfig
-
-    from vllm_pq_backend.codebooks import save_codebooks
-    from vllm_pq_backend.config import default_codebook_path
-
-    os.makedirs(d, exist_ok=True)
-    with open(os.path.join(d, "config.json"), "w") as f:
-        json.dump(LLAMA3_8B, f)
-    cfg = LlamaConfig(**LLAMA3_8B)
-    g = torch.Generator().manual_seed(0)
-    for m in ms:
-        shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, m, 256, cfg.head_dim // m)
-        k, v = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
-        rotations = {}
-        if maps:
-            for name in ("k_transform", "v_transform"):
-                rotations[name] = torch.linalg.qr(torch.randn(*shape[:2], cfg.head_dim, cfg.head_dim,
-                                                              generator=g))[0].contiguous()
-        save_codebooks(default_codebook_path(d, m), k, v, cfg, {"model": "random (benchmark)"},
-                       **rotations)
-    return d
-
-
-def make_model_dir(m: int, maps: bool = False) -> str:
-    """A temporary Llama-3-8B-shaped model folder with random codebooks of M ``m``."""
-    return write_model_dir(tempfile.mkdtemp(prefix="llama3-8b-shape-"), [m], maps)
-
-
-def engine_backend(backend: str, m: int, maps: bool = False) -> tuple[dict, str]:
-    """`LLM` keyword arguments that pick ``backend``, and its rows' name (CUSTOM by bits
-    per element: ``m`` subspaces of head_dim 128; ", maps" where its codebooks have them)."""
-    from vllm_pq_backend.layout import bits_of
-
-    if backend == "CUSTOM":
-        return (dict(attention_backend="CUSTOM", additional_config={"pq": {"m": m}}),
-                f"CUSTOM {bits_of(128, m)} bits" + (", maps" if maps else ""))
-    if backend == "TURBOQUANT":
-        return dict(kv_cache_dtype="turboquant_4bit_nc"), "TURBOQUANT 4bit_nc"
-    return dict(attention_backend=backend), backend
-
-
-def append_rows(path: str, rows: list[dict]) -> None:
-    """``rows`` into ``path``'s list in place of any earlier rows of the same backends."""
-    old = json.load(open(path))["rows"] if os.path.exists(path) else []
-    keep = [r for r in old if r["backend"] not in {x["backend"] for x in rows}]
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        json.dump({"rows": keep + rows}, f, indent=1)
 
 
 def timed_generate(llm, prompts, max_tokens):
@@ -157,18 +93,32 @@ def run(args) -> list[dict]:
     return [dict(r, **stamp) for r in rows]
 
 
-def table(path: str) -> str:
+def plot(path: str) -> str:
+    """Decode tokens/s against context and KV capacity, per backend (its latest run), from
+    ``path``'s rows; written next to it as .png (needs matplotlib, in the eval extra)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     rows = json.load(open(path))["rows"]
-    by = {(r["backend"], r["context"]): r for r in rows}
-    out = ["| context | backend | KV capacity (tokens) | batch (fits) | decode tok/s | step ms | vs FLASH_ATTN "
-           "| prefill tok/s |", "|---|---|---|---|---|---|---|---|"]
-    for r in sorted(rows, key=lambda r: (r["context"], r["backend"])):
-        fa = by.get(("FLASH_ATTN", r["context"]))
-        rel = f"{r['decode_tok_s'] / fa['decode_tok_s']:.2f}x" if fa and r.get("decode_tok_s") and fa.get("decode_tok_s") else ""
-        pf = f"{r['batch'] * r['context'] / r['prefill_s']:.0f}" if r.get("prefill_s") else ""
-        out.append(f"| {r['context']} | {r['backend']} | {r['kv_capacity_tokens']:,} | {r['batch']} ({r['fits']}) "
-                   f"| {r.get('decode_tok_s', '')} | {r.get('step_ms', '')} | {rel} | {pf} |")
-    return "\n".join(out)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for name in dict.fromkeys(r["backend"] for r in rows):
+        latest = max(r["date"] for r in rows if r["backend"] == name)
+        rs = sorted((r for r in rows if r["backend"] == name and r["date"] == latest
+                     and r.get("decode_tok_s")), key=lambda r: r["context"])
+        a.plot([r["context"] for r in rs], [r["decode_tok_s"] for r in rs], marker="o", label=name)
+        b.bar(name, rs[0]["kv_capacity_tokens"] / 1e6)
+    devices = sorted({r["device"] for r in rows})
+    a.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="decode tokens/s",
+          title=f"LLM.generate decode, Llama-3-8B shape, {', '.join(devices)}")
+    a.legend(fontsize=8)
+    b.set(ylabel="KV cache capacity (million tokens)", title="capacity at gpu_memory_utilization=0.9")
+    b.tick_params(axis="x", labelrotation=20, labelsize=8)
+    fig.tight_layout()
+    out = os.path.splitext(path)[0] + ".png"
+    fig.savefig(out, dpi=120)
+    return out
 
 
 def main() -> int:
@@ -183,15 +133,14 @@ def main() -> int:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--out", default="eval/results/e2e_throughput.json")
-    p.add_argument("--table", action="store_true", help="print the table of --out and exit")
+    p.add_argument("--plot", action="store_true", help="redraw the plot of --out and exit")
     args = p.parse_args()
-    if args.table:
-        print(table(args.out))
+    if args.plot:
+        print("wrote", plot(args.out))
         return 0
     if args.backend is None or len(args.max_batch) != len(args.contexts):
-        p.error("--backend is required, and one --max-batch per context")
+        p.error("--backend is required (or --plot), and one --max-batch per context")
     append_rows(args.out, run(args))
-    print(table(args.out))
     return 0
 
 

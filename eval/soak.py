@@ -32,7 +32,7 @@ import threading
 import time
 import urllib.request
 
-from provenance import codebook_meta, provenance  # eval/ is the script's directory
+from common import codebook_meta, provenance
 
 REFERENCE = [f"Write a short note about {t}." for t in (
     "the water cycle", "binary search", "the French revolution", "photosynthesis",

@@ -22,7 +22,8 @@ import os
 import subprocess
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from common import provenance
+
 PROMPTS = [f"{w} " * 3 + "and then" for w in (
     "river", "kernel", "garden", "tensor", "winter", "violin", "harbor", "pepper",
     "canyon", "mirror", "planet", "ladder", "saddle", "copper", "meadow", "lantern")]
@@ -90,8 +91,6 @@ def main() -> int:
     if args.one:
         one(args)
         return 0
-    from provenance import provenance  # eval/ is the script's directory
-
     model = os.path.join(args.work, "model")
     books = os.path.join(args.work, "codebooks_b4.safetensors")
     if not os.path.exists(os.path.join(model, "config.json")):

@@ -15,8 +15,16 @@ With --batch-invariant the same runs happen under VLLM_BATCH_INVARIANT=1, vLLM's
 whose GEMMs, reductions and attention backends are meant not to depend on the batch;
 the rows record how close each variant then comes to identical outputs.
 
-    python eval/vllm_features.py --model .model/smollm2 --heldout .model/text/heldout.jsonl
+--fidelity compares instead each generated token's log-probability as decoding computed
+it, step by step, with the one a single prefill of prompt + generation computes for the
+same position (what lm-eval's loglikelihood requests score): greedy, eager engines,
+prefix caching off so that the prefill recomputes every position; CUSTOM with window 0
+and with --window. Equal semantics (layout.window_start) make the two agree up to
+numerics; under --batch-invariant they agree bit for bit.
+
+    python eval/vllm_features.py --model eval/data/smollm2 --heldout eval/data/text/heldout.jsonl
     python eval/vllm_features.py ... --batch-invariant [--eager]
+    python eval/vllm_features.py ... --fidelity [--batch-invariant] --out OUT.json
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-from provenance import provenance  # eval/ is the script's directory
+from common import provenance
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -55,8 +63,8 @@ def prompts_from(path, tokenizer, n_groups, per_group):
 
 
 def engine_kwargs(args, backend, window, **kw):
-    """LLM(...) arguments shared by the engine-comparing scripts (see engine_arguments),
-    then ``kw``; CUSTOM gets M and ``window``."""
+    """LLM(...) arguments every engine here shares, then ``kw``; CUSTOM gets M and
+    ``window``."""
     kw = dict(model=args.model, attention_backend=backend, max_model_len=2048,
               gpu_memory_utilization=0.3, seed=0, **kw)
     if backend == "CUSTOM":
@@ -105,6 +113,52 @@ def in_own_process(fn, *args):
         return ex.submit(fn, *args).result()
 
 
+def fidelity_run(backend, window, args, prompts):
+    """[(decode logprobs, prefill logprobs)] of every prompt's generated tokens."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(**engine_kwargs(args, backend, window, enforce_eager=True,
+                              enable_prefix_caching=False))
+    gen = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                       SamplingParams(max_tokens=args.gen_tokens, temperature=0.0, logprobs=0),
+                       use_tqdm=False)
+    full = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, gen)]
+    pre = llm.generate([TokensPrompt(prompt_token_ids=f) for f in full],
+                       SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0),
+                       use_tqdm=False)
+    pairs = []
+    for p, g, o in zip(prompts, gen, pre):
+        toks = g.outputs[0].token_ids
+        dec = [step[t].logprob for t, step in zip(toks, g.outputs[0].logprobs)]
+        pf = [o.prompt_logprobs[len(p) + j][t].logprob for j, t in enumerate(toks)]
+        pairs.append((dec, pf))
+    return pairs
+
+
+def fidelity(args, tok) -> int:
+    """Decode against one prefill, per backend (and CUSTOM window), into --out."""
+    docs = [json.loads(line)["text"] for line in open(args.heldout)][:12]
+    # 126 + 43 i tokens: generations cross window and block edges (128, 256, 384, 512).
+    prompts = [([tok.bos_token_id] + tok(d, add_special_tokens=False)["input_ids"])
+               [: 126 + 43 * i] for i, d in enumerate(docs)]
+    result = dict(provenance(), batch_invariant=args.batch_invariant, m=args.m,
+                  gen_tokens=args.gen_tokens, prompt_lens=[len(x) for x in prompts], rows=[])
+    for backend in args.backends:
+        for window in sorted({0, args.window}) if backend == "CUSTOM" else [None]:
+            pairs = in_own_process(fidelity_run, backend, window, args, prompts)
+            diffs = [abs(a - b) for dec, pf in pairs for a, b in zip(dec, pf)]
+            row = dict(backend=backend, window=window, tokens=len(diffs),
+                       bitwise_equal=sum(d == 0 for d in diffs),
+                       max_abs_diff=max(diffs), mean_abs_diff=sum(diffs) / len(diffs))
+            result["rows"].append(row)
+            print(json.dumps(row), flush=True)
+            os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+            with open(args.out, "w") as f:  # after each row: a cut-short run keeps its rows
+                json.dump(result, f, indent=1)
+    return 0
+
+
 def compare(tokens, base, base_lp):
     """Identical outputs, and for each divergence its step and the baseline's margin
     logp(baseline token) - logp(variant token) there (None: not in the baseline's top 5)."""
@@ -119,29 +173,28 @@ def compare(tokens, base, base_lp):
     return f"{same}/{len(base)}", divs
 
 
-def engine_arguments(doc: str) -> argparse.ArgumentParser:
-    """The arguments every engine-comparing script here takes."""
-    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)
     p.add_argument("--heldout", required=True)
     p.add_argument("--backends", nargs="+", default=["CUSTOM", "FLASH_ATTN"])
     p.add_argument("--m", type=int, default=32)
     p.add_argument("--window", type=int, default=128)
-    return p
-
-
-def main() -> int:
-    p = engine_arguments(__doc__)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    p.add_argument("--gen-tokens", type=int, default=48)
+    p.add_argument("--gen-tokens", type=int, help="tokens generated per prompt (48; 64 with --fidelity)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="run under VLLM_BATCH_INVARIANT=1 (default --out: "
                    "eval/results/vllm_features_batch_invariant.json)")
     p.add_argument("--eager", action="store_true",
                    help="every engine, the baseline too, with enforce_eager (no torch.compile, "
                    "no CUDA graphs): separates compiled-kernel numerics from scheduling")
+    p.add_argument("--fidelity", action="store_true",
+                   help="decode against one prefill instead of the variants (needs --out)")
     p.add_argument("--out")
     args = p.parse_args()
+    if args.fidelity and not args.out:
+        p.error("--fidelity needs --out")
+    args.gen_tokens = args.gen_tokens or (64 if args.fidelity else 48)
     if args.variants[0] != "baseline":
         p.error("--variants must start with baseline: every variant is compared with it")
     if args.batch_invariant:
@@ -152,6 +205,8 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(args.model)
+    if args.fidelity:
+        return fidelity(args, tok)
     prompts = prompts_from(args.heldout, tok, 8, 3)
     rows = []
     for backend in args.backends:

@@ -1,3 +1,4 @@
+import collections
 import os
 
 import torch
@@ -36,3 +37,18 @@ def model_factory(tmp_path_factory):
         return made[key]
 
     return make
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line at the end of a run that counts the skipped tests by reason, those that need
+    a CUDA GPU first, so that a run without a GPU says what it did not check."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    if not skipped:
+        return
+    reasons = collections.Counter()
+    for report in skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        reasons["need a CUDA GPU (run them on a GPU machine)" if "CUDA GPU" in reason else reason] += 1
+    counts = ", ".join(f"{n} {why}" for why, n in reasons.most_common())
+    terminalreporter.write_line(f"skipped {len(skipped)} tests: {counts}")

@@ -74,9 +74,9 @@ def test_validate_rejects(change, needle):
 
 
 def test_readme_lists_every_rejection():
-    """The README's list of what is rejected at start-up names everything the backend
-    refuses: each "does not support X" of validate_configuration (every feature flag it
-    knows on at once) and of the impl."""
+    """The README's table of what is rejected at start-up (the paragraph that introduces it
+    and the table after it) names everything the backend refuses: each "does not support X"
+    of validate_configuration (every feature flag it knows on at once) and of the impl."""
     import inspect
     import re
 
@@ -84,7 +84,9 @@ def test_readme_lists_every_rejection():
     from vllm_pq_backend.backend import PQAttentionBackend
 
     readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
-    listed = " ".join(readme.split("Unsupported, rejected at start-up")[1].split("\n\n")[0].split())
+    intro, rejected = readme.split("Unsupported, rejected at start-up")[1].split("\n\n")[:2]
+    assert rejected.startswith("| rejected | why |"), rejected[:80]
+    listed = " ".join((intro + " " + rejected).split())
     flags = re.findall(r'"(use_\w+)"', inspect.getsource(PQAttentionBackend.validate_configuration))
     reasons = PQAttentionBackend.validate_configuration(**dict(
         GOOD, use_mla=True, use_sparse=True, has_sink=True, use_mm_prefix=True,

@@ -1,0 +1,181 @@
+"""What the scripts in eval/ share: the provenance every recorded result carries (device,
+versions, git commit, command, date; codebook hash and bits where a run has codebooks),
+text documents as token ids, perplexity through vLLM's prefill, and a model folder of
+Llama-3-8B's shape with random codebooks for timing.
+
+The scripts run as ``python eval/NAME.py``, so this folder is on ``sys.path`` and they
+import from here as ``from common import ...``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import importlib.metadata
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+
+# --- provenance ------------------------------------------------------------------------
+
+
+def git_commit() -> str:
+    """PQ_GIT_COMMIT when the launcher exported it (a copied tree may carry a .git that is
+    not the one the code came from); else HEAD of the checkout, ``+dirty`` with
+    uncommitted changes."""
+    if os.environ.get("PQ_GIT_COMMIT"):
+        return os.environ["PQ_GIT_COMMIT"]
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=here, capture_output=True, text=True).stdout.strip()
+        return head + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def provenance(device: str | None = None) -> dict:
+    """``device``: a description for runs off the GPU; default the CUDA device's name."""
+    import torch
+
+    return dict(
+        device=device or torch.cuda.get_device_name(),
+        vllm=_version("vllm"), torch=torch.__version__, transformers=_version("transformers"),
+        git_commit=git_commit(),
+        command="python " + " ".join(sys.argv),
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    )
+
+
+def write_result(path: str, result: dict) -> None:
+    """A run's JSON (its rows stamped with provenance()) into ``path``, and say so."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {path}")
+
+
+def append_rows(path: str, rows: list[dict]) -> None:
+    """``rows`` into ``path``'s list in place of any earlier rows of the same backends (the
+    benchmarks that run one backend per process)."""
+    old = json.load(open(path))["rows"] if os.path.exists(path) else []
+    keep = [r for r in old if r["backend"] not in {x["backend"] for x in rows}]
+    write_result(path, {"rows": keep + rows})
+
+
+def codebook_meta(path):
+    """bits, M, method and hash of a codebook file, for the rows it produces."""
+    from vllm_pq_backend import codebooks
+    from vllm_pq_backend.layout import bits_of
+
+    info = codebooks.read_info(path)
+    cal = codebooks.calibration_of(info)
+    with open(path, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()[:16]
+    return dict(m_k=info.m_k, m_v=info.m_v, bits_k=bits_of(info.head_dim, info.m_k),
+                bits_v=bits_of(info.head_dim, info.m_v), codebook_sha256=digest,
+                codebook_file=os.path.abspath(path),
+                method="plain" if not info.transforms and not cal.get("method") else
+                json.dumps(cal.get("method"), sort_keys=True),
+                calib_text=cal.get("texts"), calib_tokens=cal.get("tokens"),
+                calib_seq_len=cal.get("seq_len"))
+
+
+# --- text and perplexity ---------------------------------------------------------------
+
+
+def load_docs(path, tokenizer, max_len, n_docs):
+    """``n_docs`` documents of a .jsonl file ({"text": ...} per line) spread evenly over
+    it (its order is by topic), BOS first, cut at ``max_len`` tokens."""
+    docs = [json.loads(line)["text"] for line in open(path)]
+    step = max(1, len(docs) // n_docs)
+    return [([tokenizer.bos_token_id] + tokenizer(t, add_special_tokens=False)["input_ids"])[:max_len]
+            for t in docs[::step][:n_docs]]
+
+
+def prompt_perplexity(llm, docs) -> tuple[float, int]:
+    """(token perplexity, scored tokens) of token-id documents through vLLM's prefill."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    outs = llm.generate([TokensPrompt(prompt_token_ids=d) for d in docs],
+                        SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    nll, count = 0.0, 0
+    for d, o in zip(docs, outs):
+        for tok, lp in zip(d[1:], o.prompt_logprobs[1:]):
+            nll -= lp[tok].logprob
+            count += 1
+    return math.exp(nll / count), count
+
+
+# --- a model of Llama-3-8B's shape for timing ------------------------------------------
+
+LLAMA3_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0, "max_position_embeddings": 131072, "hidden_act": "silu",
+    "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": 128001,
+    "tie_word_embeddings": False,
+}
+
+
+def write_model_dir(d: str, ms, maps: bool = False) -> str:
+    """config.json of Llama-3-8B's shape in ``d``, and random codebooks for CUSTOM with
+    each M of ``ms`` (speed does not depend on what the centroids are); serve it with
+    ``load_format="dummy"``. With ``maps`` the codebooks carry K and V maps, as
+    ``calibrate`` writes them by default: random rotations, so that the query / key /
+    value / output maps run as with calibrated codebooks while the store sees rows
+    distributed as without maps (speed does not depend on the maps' values)."""
+    import torch
+    from transformers import LlamaConfig
+
+    from vllm_pq_backend.codebooks import save_codebooks
+    from vllm_pq_backend.config import default_codebook_path
+
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(LLAMA3_8B, f)
+    cfg = LlamaConfig(**LLAMA3_8B)
+    g = torch.Generator().manual_seed(0)
+    for m in ms:
+        shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, m, 256, cfg.head_dim // m)
+        k, v = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+        rotations = {}
+        if maps:
+            for name in ("k_transform", "v_transform"):
+                rotations[name] = torch.linalg.qr(torch.randn(*shape[:2], cfg.head_dim, cfg.head_dim,
+                                                              generator=g))[0].contiguous()
+        save_codebooks(default_codebook_path(d, m), k, v, cfg, {"model": "random (benchmark)"},
+                       **rotations)
+    return d
+
+
+def make_model_dir(m: int, maps: bool = False) -> str:
+    """A temporary Llama-3-8B-shaped model folder with random codebooks of M ``m``."""
+    return write_model_dir(tempfile.mkdtemp(prefix="llama3-8b-shape-"), [m], maps)
+
+
+def engine_backend(backend: str, m: int, maps: bool = False) -> tuple[dict, str]:
+    """`LLM` keyword arguments that pick ``backend``, and its rows' name (CUSTOM by bits
+    per element: ``m`` subspaces of head_dim 128; ", maps" where its codebooks have them)."""
+    from vllm_pq_backend.layout import bits_of
+
+    if backend == "CUSTOM":
+        return (dict(attention_backend="CUSTOM", additional_config={"pq": {"m": m}}),
+                f"CUSTOM {bits_of(128, m)} bits" + (", maps" if maps else ""))
+    if backend == "TURBOQUANT":
+        return dict(kv_cache_dtype="turboquant_4bit_nc"), "TURBOQUANT 4bit_nc"
+    return dict(attention_backend=backend), backend

@@ -1,0 +1,695 @@
+"""The tables of README.md and docs/results.md, generated from the recorded results in
+eval/results/ (pure Python: no GPU, torch or vLLM needed).
+
+    python eval/report.py           # rewrite every table in place
+    python eval/report.py --check   # exit 1, with a diff, where a table is not what the results give
+
+A table sits in a document between two marker lines,
+
+    <!-- table: NAME -->
+    ...
+    <!-- /table -->
+
+and is the Markdown that the function registered as NAME returns. To add one: write a
+function that reads its results file(s) with load() / runs() / rows() and returns the
+table (and, where it helps, a line naming its source), decorate it with @table("NAME"),
+and put the two marker lines where it belongs. Every number in a table comes from the
+files; text around the markers is written by hand and must not repeat the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "eval" / "results"
+DOCUMENTS = ("README.md", "docs/results.md")
+BEGIN = re.compile(r"^<!-- table: ([\w-]+) -->$")
+END = "<!-- /table -->"
+TABLES = {}
+
+
+def table(name):
+    def register(fn):
+        TABLES[name] = fn
+        return fn
+    return register
+
+
+# --- reading results -------------------------------------------------------------------
+
+
+def load(name: str):
+    return json.loads((RESULTS / name).read_text())
+
+
+def runs(name: str) -> list[dict]:
+    """A file's runs: its ``runs`` list, or the file itself as one run."""
+    data = load(name)
+    return data["runs"] if "runs" in data else [data]
+
+
+def run(name: str, run_name: str) -> dict:
+    return next(r for r in runs(name) if r.get("run") == run_name)
+
+
+def run_rows(name: str, run_name: str) -> list[dict]:
+    """One run's rows, each with the run's stamp filled in."""
+    r = run(name, run_name)
+    stamp = {k: v for k, v in r.items() if k != "rows"}
+    return [dict(stamp, **row) for row in r["rows"]]
+
+
+def rows(name: str) -> list[dict]:
+    """Every row of a file, each with its run's stamp (device, date, ...) filled in."""
+    out = []
+    for r in runs(name):
+        stamp = {k: v for k, v in r.items() if k not in ("rows", "runs")}
+        out += [dict(stamp, **row) for row in r.get("rows", [])]
+    return out
+
+
+# --- formatting ------------------------------------------------------------------------
+
+
+def md(header: list[str], body: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join("" if c is None else str(c) for c in row) + " |" for row in body]
+    return "\n".join(lines)
+
+
+def pct(x: float) -> str:
+    return f"{x:+.2f}%"
+
+
+def ratio(x: float, digits: int = 2) -> str:
+    return f"{x:.{digits}f}x"
+
+
+def day(date: str) -> str:
+    return date[:10]
+
+
+def source(*files: str) -> str:
+    return "Source: " + ", ".join(f"`eval/results/{f}`" for f in files) + "."
+
+
+def devices(rs) -> str:
+    return " / ".join(sorted({r["device"] for r in rs}))
+
+
+# --- quality ---------------------------------------------------------------------------
+
+DOMAINS = ("kernel", "fortunes", "python")
+
+
+def v_training(row: dict) -> str:
+    """How V was trained where it has 2 bits or fewer: calibrate's default there is V in
+    the o_proj metric (vllm_pq_backend.calibrate.default_method: v_gamma 0.5)."""
+    if row["bits_v"] > 2:
+        return ""
+    return ", V in the o_proj metric (default)" if json.loads(row["method"]).get("v_gamma") else ", V plain L2"
+
+
+def custom_name(bits_k: int, bits_v: int) -> str:
+    if bits_k == bits_v:
+        return f"CUSTOM {bits_k} bits"
+    return f"CUSTOM K{bits_k}/V{bits_v} ({(bits_k + bits_v) / 2:g} bits)"
+
+
+def quality_configs(rs: list[dict]) -> list[tuple[str, list[dict]]]:
+    """(row name, rows by domain) per configuration, in the file's order."""
+    out = {}
+    for r in rs:
+        if r.get("bits_k") in (None, 16):
+            name = r["label"]
+        else:
+            name = custom_name(r["bits_k"], r["bits_v"]) + v_training(r)
+        out.setdefault(name, []).append(r)
+    return list(out.items())
+
+
+def is_default(row: dict) -> bool:
+    return not v_training(row).endswith("plain L2")
+
+
+@table("quality-smollm2")
+def quality_smollm2() -> str:
+    data = load("accuracy.json")
+    body = []
+    for name, rs in quality_configs(data["rows"]):
+        by = {r["eval_text"]: r for r in rs}
+        r0 = rs[0]
+        base = r0["label"].startswith("FLASH_ATTN")
+        cells = [f"{by[d]['ppl']:.3f}" if base else pct(by[d]["delta_pct"]) for d in DOMAINS]
+        body.append([name, "1" if base else f"1/{1 / r0['bytes_per_token_vs_bf16']:.1f}".removesuffix(".0"),
+                     f"{r0['kv_cache_tokens']:,}", *cells,
+                     f"{100 * r0['greedy_agreement_vs_bf16']:.1f}%"])
+    return "\n".join([
+        md(["KV cache", "bytes/token vs bf16", "KV capacity (tokens)", "kernel", "fortunes",
+            "python", "greedy = bf16"], body), "",
+        f"{data['rows'][0]['model']}, {data['device']}, {day(data['date'])}; perplexity of bf16, "
+        f"then the change against it; {data['docs_per_domain']} documents per domain cut at "
+        f"{data['max_len']} tokens; greedy agreement over {data['greedy']}. "
+        + source("accuracy.json")])
+
+
+@table("quality-gemma3")
+def quality_gemma3() -> str:
+    data = load("accuracy_gemma3.json")
+    body = []
+    for name, rs in quality_configs([r for r in data["rows"] if "error" not in r]):
+        by = {r["eval_text"]: r for r in rs}
+        base = name.startswith("FLASH_ATTN")
+        cells = [f"{by[d]['ppl']:.2f}" if base else pct(by[d]["delta_pct"]) for d in ("kernel", "python")]
+        cap = f"{rs[0]['kv_cache_tokens']:,}"
+        body.append([name, cap, *cells, f"{100 * rs[0]['greedy_agreement_vs_bf16']:.1f}%"])
+    for r in data["rows"]:
+        if "error" in r:
+            why = ("vLLM has no attention backend for it with this model"
+                   if "No valid attention backend" in r["error"] else r["error"][:80])
+            body.append([r["label"], why, "", "", ""])
+    return "\n".join([
+        md(["KV cache", "KV capacity (tokens)", "kernel", "python", "greedy = bf16"], body), "",
+        f"{data['rows'][0]['model']} (a bf16 conversion of a Q4_K_M GGUF), {data['device']}, "
+        f"{day(data['date'])}; {data['docs_per_domain']} documents per domain cut at "
+        f"{data['max_len']} tokens; greedy agreement over {data['greedy']}. "
+        + source("accuracy_gemma3.json")])
+
+
+SIM_LABELS = {
+    "plain": "plain k-means (L2 on K and V)",
+    "k_query_g1": "K: query metric, gamma 1",
+    "k_query_g0.5": "K: query metric, gamma 0.5",
+    "k_rotate": "K: balanced principal axes",
+    "k_query_g0.5_rotate": "K: both, gamma 0.5",
+    "k_query_g1_rotate": "K: both, gamma 1",
+    "k_mass0.5": "K: tokens weighted by attention mass^0.5",
+    "v_mass0.5": "V: tokens weighted by attention mass^0.5",
+    "v_mass1": "V: tokens weighted by attention mass^1",
+    "v_rotate": "V: balanced principal axes",
+    "v_rotate_mass0.5": "V: balanced principal axes + mass^0.5",
+    "pre_rope": "K before RoPE (RoPE pairs in one subspace)",
+    "pre_rope_v_rotate_mass0.5": "K before RoPE; V: axes + mass^0.5",
+    "default": "K both (gamma 0.5); V axes + mass^0.5",
+    "default_k_g0.25": "the same, K gamma 0.25",
+    "default_k_g0.75": "the same, K gamma 0.75",
+    "default_v_o0.5": "the same + V in the o_proj metric, gamma 0.5",
+    "default_v_o1": "the same + V in the o_proj metric, gamma 1",
+    "default_v_o0.5_nomass": "the same + V in the o_proj metric, no mass weights",
+}
+BITS = ((4, 4), (4, 2), (2, 2))
+
+
+def calibrate_default(params: dict, bits_v: int) -> bool:
+    """Whether a simulated row trained what calibrate trains by default at these bits."""
+    want = dict(k_gamma=0.5, k_rotate=True, k_alpha=0.0, v_rotate=True, v_alpha=0.5,
+                v_gamma=0.5 if bits_v <= 2 else 0.0)
+    return all(params.get(k, 0.0) == v for k, v in want.items())
+
+
+def sim_cells(rs: list[dict]) -> str:
+    by = {r["eval_text"]: r["delta_pct"] for r in rs}
+    return " / ".join(f"{by[d]:+.2f}" for d in DOMAINS)
+
+
+def sim_table(selected: list[tuple[str, dict]], label) -> str:
+    """Rows keyed by label(run, row), columns by bits; bold where calibrate's default."""
+    cells = {}
+    for _, r in selected:
+        key = (label(r), (r["bits_k"], r["bits_v"]))
+        cells.setdefault(key, []).append(r)
+    names = list(dict.fromkeys(k[0] for k in cells))
+    body = []
+    for n in names:
+        line = [n]
+        for bits in BITS:
+            rs = cells.get((n, bits))
+            text = sim_cells(rs) if rs else ""
+            if rs and calibrate_default(rs[0]["method_params"], bits[1]):
+                text = f"**{text}**"
+            line.append(text)
+        body.append(line)
+    return md(["training", "K4/V4 (4 bits)", "K4/V2 (3 bits)", "K2/V2 (2 bits)"], body)
+
+
+@table("ablations")
+def ablations() -> str:
+    names = ("4bit", "2bit", "2bit_b", "k4v2", "vo")
+    selected = [(n, r) for n in names for r in run_rows("accuracy_sim.json", n)
+                if r["method"] != "bf16"]
+    order = {m: i for i, m in enumerate(SIM_LABELS)}
+    selected.sort(key=lambda x: order[x[1]["method"]])
+    sims = [run("accuracy_sim.json", n) for n in names]
+    return "\n".join([
+        sim_table(selected, lambda r: SIM_LABELS[r["method"]]), "",
+        f"Perplexity change against bf16 in %, kernel / fortunes / python text; simulation "
+        f"in transformers, {devices(sims)}, {day(min(s['date'] for s in sims))}; bold: what "
+        "`calibrate` trains by default at those bits. " + source("accuracy_sim.json")])
+
+
+@table("error-breakdown")
+def error_breakdown() -> str:
+    def label(r):
+        part = {"kv": "K and V", "k": "only K through codes", "v": "only V through codes"}[r["quantized"]]
+        return part if r["layers"] == "all" else f"K and V in layers {r['layers']} only"
+
+    selected = [(n, r) for n in ("breakdown", "k4v2_breakdown")
+                for r in run_rows("accuracy_sim.json", n) if r["method"] != "bf16"]
+    return sim_table(selected, label) + "\n\n" + (
+        "Perplexity change against bf16 in %, kernel / fortunes / python; simulation; each "
+        "row quantizes only what it names; bold: calibrate's default training at those bits, "
+        "the other cells train V in plain L2. "
+        + source("accuracy_sim.json"))
+
+
+@table("calibration-text")
+def calibration_text() -> str:
+    def label(r):
+        text = ", ".join(Path(t).name for t in r["calib_text"])
+        order = "shuffled documents" if r.get("shuffle_docs") else "file order"
+        samples = r.get("calib_samples") or 32768
+        return (f"{text}, {r['calib_tokens']:,} tokens, {samples:,} samples per head, {order}; "
+                + SIM_LABELS[r["method"]].replace("the same", "default"))
+
+    selected = [(n, r) for n in ("breakdown", "calib_shuffled", "calib_256k", "calib_mix_256k",
+                                 "vgamma_mix")
+                for r in run_rows("accuracy_sim.json", n)
+                if r["method"] != "bf16" and r.get("quantized", "kv") == "kv"
+                and r.get("layers", "all") == "all"]
+    return sim_table(selected, label) + "\n\n" + (
+        "Perplexity change against bf16 in %, kernel / fortunes / python; simulation; bold: "
+        "calibrate's default training at those bits. "
+        "`calib.jsonl` is the Python library reference; `calib_mix.jsonl` adds Perl "
+        "documentation and the Jargon File. " + source("accuracy_sim.json"))
+
+
+CALIBRATIONS = {
+    "default4": "SmolLM2-135M, 4 bits", "default2": "SmolLM2-135M, 2 bits (V plain L2)",
+    "k4v2": "SmolLM2-135M, K4/V2 (V plain L2)", "default2_vg": "SmolLM2-135M, 2 bits",
+    "k4v2_vg": "SmolLM2-135M, K4/V2", "llama8b calibrate wall": "Llama-3-8B shape, 4 bits",
+}
+
+
+@table("calibration-time")
+def calibration_time() -> str:
+    text = (RESULTS / "calibrate_timing.log").read_text()
+    body = [[CALIBRATIONS[m.group(1)], m.group(2)]
+            for m in re.finditer(r"^(.+?) ([\d.]+) s$", text, re.M) if m.group(1) in CALIBRATIONS]
+    head = " ".join(line.lstrip("# ") for line in text.splitlines() if line.startswith("#"))
+    device = re.search(r"one (NVIDIA \w+)", head).group(1)
+    date = re.search(r"\d{4}-\d\d-\d\d", head).group(0)
+    return md(["model, bits per element", "wall seconds"], body) + "\n\n" + (
+        "`python -m vllm_pq_backend.calibrate --model MODEL --text calib.jsonl [--bits ...]` "
+        f"with its other defaults, model load and forward passes included, {device}, {date}. "
+        + source("calibrate_timing.log"))
+
+
+# --- speed -----------------------------------------------------------------------------
+
+SHAPE_NAMES = {"llama3-8b": "Llama-3-8B", "qwen2.5-7b": "Qwen2.5-7B"}
+
+
+def ctx(n: int) -> str:
+    return f"{n // 1024}K" if n % 1024 == 0 else f"{n:,}"
+
+
+def kernel_cell(r: dict | None) -> str:
+    return "" if r is None else f"{r['custom_us']:.1f} ({ratio(r['speedup_vs_fa3'])})"
+
+
+def kernel_table(run_names: list[str], mixed: bool = False) -> str:
+    body = []
+    selected = [run("decode_kernel.json", n) for n in run_names]
+    for r in selected:
+        shape = SHAPE_NAMES[r["shapes"]["model"]]
+        by = {(x["context"], x["batch"], x["bits"]): x for x in r["rows"]}
+        for c, b in dict.fromkeys((x["context"], x["batch"]) for x in r["rows"]):
+            any_row = by.get((c, b, "4")) or by.get((c, b, "2"))
+            shape_col = f"{shape}, 4K-13.8K tokens" if mixed else f"{shape}, {ctx(c)}"
+            line = [shape_col, b, kernel_cell(by.get((c, b, "4"))), kernel_cell(by.get((c, b, "2"))),
+                    f"{any_row['fa3_us']:.1f}"]
+            if not mixed and any_row.get("turboquant_us"):
+                line.append(f"{any_row['turboquant_us']:.1f}")
+            body.append(line)
+    header = ["shape, context", "requests", "CUSTOM 4 bits: us (x FA3)", "CUSTOM 2 bits: us (x FA3)",
+              "FA3 bf16 us"]
+    if any(len(line) > len(header) for line in body):
+        header.append("TURBOQUANT 4bit_nc us")
+        body = [line + [""] * (len(header) - len(line)) for line in body]
+    return "\n".join([md(header, body), "",
+                      f"{devices(selected)}, {day(selected[0]['date'])}. " + source("decode_kernel.json")])
+
+
+@table("decode-kernel-h100")
+def decode_kernel_h100() -> str:
+    return kernel_table(["h100_llama3-8b", "h100_qwen2.5-7b"])
+
+
+@table("decode-kernel-mixed")
+def decode_kernel_mixed() -> str:
+    return kernel_table(["h100_llama3-8b_mixed", "h100_qwen2.5-7b_mixed"], mixed=True)
+
+
+@table("decode-kernel-h200")
+def decode_kernel_h200() -> str:
+    return kernel_table(["h200_llama3-8b", "h200_qwen2.5-7b"])
+
+
+@table("prefill")
+def prefill() -> str:
+    rs = load("prefill.json")["rows"]
+
+    def key(r):
+        return (r["case"], r.get("prompt_tokens"), r.get("prefix_tokens"), r.get("suffix_tokens"))
+
+    backends = list(dict.fromkeys(r["backend"] for r in rs if r["backend"] != "FLASH_ATTN"))
+    by = {(r["backend"], key(r)): r for r in rs}
+    body = []
+    for r in (r for r in rs if r["backend"] == "FLASH_ATTN"):
+        if r["case"] == "uncached":
+            what = f"uncached, {r['batch']} x {ctx(r['prompt_tokens'])}"
+        elif r["case"] == "long":
+            what = f"one prompt of {r['prompt_tokens']:,} tokens, in chunks of {r['max_num_batched_tokens']:,}"
+        else:
+            what = f"{r['batch']} prefix hits of {r['suffix_tokens']} tokens after {ctx(r['prefix_tokens'])} cached"
+        line = [what, f"{r['seconds']:.3f}"]
+        for b in backends:
+            x = by.get((b, key(r)))
+            line.append("" if x is None else f"{x['seconds']:.3f} ({ratio(x['seconds'] / r['seconds'])})")
+        body.append(line)
+    return "\n".join([
+        md(["case", "FLASH_ATTN s", *[f"{b} s (time vs FLASH_ATTN)" for b in backends]], body), "",
+        f"Llama-3-8B shape, dummy weights, {devices(rs)}, {day(rs[0]['date'])}; \"maps\": "
+        "codebooks with K/V maps (random rotations). " + source("prefill.json")])
+
+
+def same_run(rs: list[dict], r: dict, backend: str, **match) -> dict | None:
+    """``backend``'s row of the run that made ``r`` (same git commit), matching ``match``."""
+    return next((x for x in rs if x["backend"] == backend and x["git_commit"] == r["git_commit"]
+                 and all(x.get(k) == v for k, v in match.items())), None)
+
+
+@table("e2e")
+def e2e() -> str:
+    rs = load("e2e_throughput.json")["rows"]
+    # a run is one git commit's rows; it is named by when its FLASH_ATTN rows were taken
+    started = {r["git_commit"]: r["date"][:16].replace("T", " ") for r in rs if r["backend"] == "FLASH_ATTN"}
+    order = sorted(set(started.values()), reverse=True)
+    body = []
+    for r in sorted(rs, key=lambda r: (r["context"], order.index(started[r["git_commit"]]),
+                                       r["backend"] != "FLASH_ATTN", r["date"])):
+        fa = same_run(rs, r, "FLASH_ATTN", context=r["context"])
+        body.append([ctx(r["context"]), started[r["git_commit"]], r["backend"], f"{r['kv_capacity_tokens']:,}",
+                     r["batch"], f"{r['decode_tok_s']:,.0f}", f"{r['step_ms']:.2f}",
+                     ratio(r["decode_tok_s"] / fa["decode_tok_s"])])
+    return "\n".join([
+        md(["context", "run (UTC)", "backend", "KV capacity (tokens)", "requests", "decode tok/s",
+            "step ms", "vs FLASH_ATTN of its run"], body), "",
+        f"`LLM.generate`, Llama-3-8B shape, dummy weights, {devices(rs)}, 64 decode steps timed "
+        "apart from prefill; a run is one install on one machine, its backends one after "
+        "another. " + source("e2e_throughput.json")])
+
+
+def serve_rate(r: dict) -> str:
+    return "all at once" if r["request_rate"] == "inf" else f"{r['request_rate']}/s"
+
+
+SETTINGS = ("FLASH_ATTN", "CUSTOM_4bits", "CUSTOM_2bits", "TURBOQUANT_4bit_nc")
+
+
+def setting_name(s: str) -> str:
+    return s.replace("CUSTOM_", "CUSTOM ").replace("bits", " bits").replace("TURBOQUANT_", "TURBOQUANT ")
+
+
+@table("serve-1k")
+def serve_1k() -> str:
+    body = []
+    srv = runs("serve_bench.json")
+    for r in srv:
+        fa = {x["request_rate"]: x for x in r["rows"] if x["setting"] == "FLASH_ATTN"}
+        for x in sorted(r["rows"], key=lambda x: (float(x["request_rate"]), SETTINGS.index(x["setting"]))):
+            base = fa[x["request_rate"]]
+            body.append([r["device"], setting_name(x["setting"]), serve_rate(x),
+                         f"{x['output_throughput']:,.0f}", ratio(x["output_throughput"] / base["output_throughput"], 3),
+                         f"{x['median_ttft_ms']:.0f} / {x['p99_ttft_ms']:.0f}",
+                         f"{x['median_tpot_ms']:.2f} / {x['p99_tpot_ms']:.2f}",
+                         "" if x is base else pct(100 * (x["p99_tpot_ms"] / base["p99_tpot_ms"] - 1))])
+    return "\n".join([
+        md(["device", "backend", "requests", "output tok/s", "vs FLASH_ATTN", "TTFT median / p99 ms",
+            "TPOT median / p99 ms", "p99 TPOT vs FLASH_ATTN"], body), "",
+        "Llama-3-8B shape, dummy weights, random codebooks; 160 prompts of 1,024 tokens, 128 "
+        f"output tokens each; one run per setting, {', '.join(day(r['date']) for r in srv)}. "
+        + source("serve_bench.json")])
+
+
+@table("serve-long")
+def serve_long() -> str:
+    body = []
+    mixes = [r for r in runs("serve_bench_long.json") if r["run"] != "h100_prompts_only"]
+    for r in mixes:
+        fa = next(x for x in r["rows"] if x["setting"] == "FLASH_ATTN")
+        for x in sorted(r["rows"], key=lambda x: SETTINGS.index(x["setting"])):
+            body.append([r["device"], setting_name(x["setting"]), f"{x['duration']:.1f}",
+                         f"{x['request_throughput']:.3f}", ratio(x["request_throughput"] / fa["request_throughput"]),
+                         f"{x['output_throughput']:,.0f}",
+                         f"{x['median_ttft_ms'] / 1e3:.1f} / {x['p99_ttft_ms'] / 1e3:.1f}",
+                         f"{x['median_tpot_ms']:.1f} / {x['p99_tpot_ms']:.1f}"])
+    prompts = run("serve_bench_long.json", "h100_prompts_only")
+    pbody = [[prompts["device"], setting_name(x["setting"]), f"{x['duration']:.2f}",
+              f"{x['total_input_tokens'] / x['duration']:,.0f}",
+              f"{x['median_ttft_ms'] / 1e3:.1f} / {x['p99_ttft_ms'] / 1e3:.1f}"]
+             for x in sorted(prompts["rows"], key=lambda x: SETTINGS.index(x["setting"]))]
+    return "\n".join([
+        md(["device", "backend", "seconds", "req/s", "vs FLASH_ATTN", "output tok/s",
+            "TTFT median / p99 s", "TPOT median / p99 ms"], body), "",
+        "The same prompts with 1-3 output tokens each (the mix's prefill alone):", "",
+        md(["device", "backend", "seconds", "prompt tok/s", "TTFT median / p99 s"], pbody), "",
+        "Llama-3-8B shape, dummy weights, random codebooks, `--max-model-len 16384`; 200 prompts "
+        "of 4K-12K tokens, outputs of 512-1,536 tokens, all sent at once; one run per setting, "
+        f"{', '.join(sorted({day(r['date']) for r in mixes}))}. " + source("serve_bench_long.json")])
+
+
+@table("soak")
+def soak() -> str:
+    data = load("soak.json")
+    body = []
+    for r in data["rows"]:
+        cap = next(m.group(1) for line in r["capacity"]
+                   for m in [re.search(r"KV cache size: ([\d,]+) tokens", line)] if m)
+        series = r["gpu_mib_series"]
+        body.append([r["backend"], cap, f"{r['requests']:,}", f"{r['ok']:,} / {r['cancelled']:,} / {r['bad_rejected']:,}",
+                     r["errors_count"], "yes" if r["healthy_after"] and not r["server_exited"] else "no",
+                     f"{series[0][1]:,} / {r['gpu_mib_after']:,} (+{r['gpu_mib_growth_second_half']} in the second half)",
+                     f"{r['reference_identical']:,} of {r['reference']:,}"])
+    cb = data["codebooks"]
+    return "\n".join([
+        md(["backend", "KV capacity (tokens)", "requests", "ok / cancelled / malformed (400)", "errors",
+            "healthy after", "server GPU MiB: first sample / end", "greedy references identical"], body), "",
+        f"{data['minutes']:g} minutes, {data['clients']} clients per server, both servers side by "
+        f"side on one {data['device']} with {data['kv_cache_gib']} GiB of KV cache each, "
+        f"{day(data['date'])}; CUSTOM with {cb['bits_k']}-bit codebooks calibrated on "
+        f"{cb['calib_tokens']:,} tokens. " + source("soak.json")])
+
+
+FEATURE_VARIANTS = {
+    "no_prefix_caching": "prefix caching off", "chunked_prefill_64": "chunked prefill, 64-token budget",
+    "preemption": "preemption (forced)", "enforce_eager": "`enforce_eager`",
+}
+
+
+def feature_cells(eager: bool) -> tuple[list[str], dict]:
+    """Columns (backend, window, batch-invariant) and, per (column, variant), the latest
+    run's identical outputs against that run's baseline."""
+    cells = {}
+    for r in sorted(runs("vllm_features.json"), key=lambda r: r["date"]):
+        if bool(r.get("eager")) != eager:
+            continue
+        for row in r["rows"]:
+            col = (row["backend"], r["window"] if row["backend"] == "CUSTOM" else None, r["batch_invariant"])
+            cells[col, row["variant"]] = row["identical_to_baseline"]
+    cols = list(dict.fromkeys(c for c, _ in cells))
+    return cols, cells
+
+
+def feature_table(eager: bool) -> str:
+    cols, cells = feature_cells(eager)
+    cols.sort(key=lambda c: (c[2], c[0] != "CUSTOM", c[0], -(c[1] or 0)))
+
+    def name(c):
+        backend, window, bi = c
+        w = f" W={window}" if backend == "CUSTOM" else ""
+        return backend + w + (", BI" if bi and not eager else "")
+
+    body = [[label, *[cells.get((c, v), "") for c in cols]] for v, label in FEATURE_VARIANTS.items()
+            if any((c, v) in cells for c in cols)]
+    return md(["variant", *[name(c) for c in cols]], body)
+
+
+@table("vllm-features")
+def vllm_features() -> str:
+    rs = runs("vllm_features.json")
+    r0 = rs[0]
+    return "\n".join([
+        feature_table(eager=False), "",
+        "With every engine eager (no torch.compile, no CUDA graphs), in batch-invariant mode:", "",
+        feature_table(eager=True), "",
+        f"Greedy outputs identical to the same backend's baseline, of {r0['prompts']} prompts x "
+        f"{r0['gen_tokens']} tokens (SmolLM2-135M, CUSTOM 4 bits); BI: `VLLM_BATCH_INVARIANT=1`; "
+        f"{devices(rs)}, {day(min(r['date'] for r in rs))}. " + source("vllm_features.json")])
+
+
+@table("prefill-fidelity")
+def prefill_fidelity() -> str:
+    data = load("prefill_fidelity.json")
+    body = [[r["backend"] + (f" W={r['window']}" if r["window"] is not None else ""),
+             f"{r['bitwise_equal']} of {r['tokens']}", f"{r['mean_abs_diff']:.3f} / {r['max_abs_diff']:.2f}"]
+            for r in data["rows"]]
+    return "\n".join([
+        md(["backend", "bitwise equal", "mean / max difference (nats)"], body), "",
+        f"{len(data['prompt_lens'])} prompts of {min(data['prompt_lens'])}-{max(data['prompt_lens'])} "
+        f"tokens, {data['gen_tokens']} greedy tokens each, batch-invariant mode, eager engines, "
+        f"{data['device']}, {day(data['date'])}. " + source("prefill_fidelity.json")])
+
+
+ENTRY_LOGS = {"entrypoints.log": "SmolLM2-135M", "entrypoints_gemma3.log": "Gemma 3 270M"}
+
+
+@table("entrypoints")
+def entrypoints() -> str:
+    body = []
+    for log, model in ENTRY_LOGS.items():
+        text = (RESULTS / log).read_text()
+        head = re.match(r"date: (\S+)\s+device: (.+)", text)
+        completion = re.search(r"^completion: (.+)$", text, re.M)
+        generated = re.findall(r"^generate: ", text, re.M)
+        bpb = {}
+        for part in text.split("== 3. lm_eval")[1:]:
+            m = re.search(r"attention_backend=(\w+)(?:.*\n)*?.*\|bits_per_byte\s*\|[^|]*\|\s*([\d.]+)", part)
+            bpb[m.group(1)] = m.group(2)
+        body.append([model, head.group(2), day(head.group(1)), completion.group(1) if completion else "failed",
+                     f"{len(generated)} prompts", f"{bpb['CUSTOM']} / {bpb['FLASH_ATTN']}"])
+    return "\n".join([
+        md(["model", "device", "date", "`vllm serve` completion of \"The capital of France is\"",
+            "`LLM.generate`", "`lm_eval` bits per byte, CUSTOM / FLASH_ATTN"], body), "",
+        source(*ENTRY_LOGS)])
+
+
+@table("demo")
+def demo() -> str:
+    text = (RESULTS / "demo.log").read_text()
+    prov = json.loads(re.search(r"^provenance: (.+)$", text, re.M).group(1))
+    body = [[m.group(1), m.group(2), m.group(3), m.group(4)] for m in re.finditer(
+        r"^(FLASH_ATTN bf16|CUSTOM \d bits)\s+([\d.]+(?: \([^)]*\))?)\s+([\d,]+(?:\s+\([\d.]+x\))?)\s+([\d,]+)$",
+        text, re.M)]
+    for row in body:
+        row[2] = re.sub(r"\s+", " ", row[2])
+    return "\n".join([
+        md(["backend", "perplexity", "KV capacity (tokens)", "decode tok/s"], body), "",
+        f"`python eval/demo.py`, {prov['device']}, {day(prov['date'])}. " + source("demo.log")])
+
+
+# --- the headline ----------------------------------------------------------------------
+
+
+@table("headline")
+def headline() -> str:
+    acc = load("accuracy.json")
+    e2e_rows = load("e2e_throughput.json")["rows"]
+
+    used = set()
+
+    def decode(backend: str, context: int) -> str:
+        mine = [r for r in e2e_rows if r["backend"] == backend and r["context"] == context]
+        if not mine:
+            return "not measured"
+        r = max(mine, key=lambda r: r["date"])
+        used.add(r["git_commit"])
+        return ratio(r["decode_tok_s"] / same_run(e2e_rows, r, "FLASH_ATTN", context=context)["decode_tok_s"])
+
+    bf16_tokens = next(r for r in acc["rows"] if r["label"].startswith("FLASH_ATTN"))["kv_cache_tokens"]
+    body = []
+    for name, rs in quality_configs(acc["rows"]):
+        r0 = rs[0]
+        by = {r["eval_text"]: r for r in rs}
+        if r0.get("bits_k") in (None, 16):
+            if name.startswith("FLASH_ATTN"):
+                label, bits, e2e_name = "bf16 (FLASH_ATTN)", "16", "FLASH_ATTN"
+            else:
+                label, bits, e2e_name = name, f"{16 * r0['bytes_per_token_vs_bf16']:.1f}".removesuffix(".0"), name
+        elif is_default(r0):
+            label = custom_name(r0["bits_k"], r0["bits_v"])
+            bits = str(r0["bits_k"]) if r0["bits_k"] == r0["bits_v"] else f"{r0['bits_k']} / {r0['bits_v']}"
+            e2e_name = label
+        else:
+            continue
+        base = label.startswith("bf16")
+        quality = "0 (reference)" if base else " / ".join(pct(by[d]["delta_pct"]) for d in DOMAINS)
+        body.append([label, bits, ratio(r0["kv_cache_tokens"] / bf16_tokens, 1),
+                     quality, f"{100 * r0['greedy_agreement_vs_bf16']:.0f}%",
+                     decode(e2e_name, 1024), decode(e2e_name, 32768)])
+    return "\n".join([
+        md(["KV cache", "bits per element", "KV capacity", "perplexity vs bf16: kernel / fortunes / python",
+            "greedy = bf16", "decode vs bf16, 1K context", "decode vs bf16, 32K"], body), "",
+        f"Quality and capacity: {acc['rows'][0]['model']} in vLLM on held-out text of three kinds, "
+        f"{acc['device']} (`eval/results/accuracy.json`); the baselines' bits per element follow "
+        "from the capacity vLLM gives them. Decode: `LLM.generate` tokens/s on "
+        f"Llama-3-8B's shape at the largest batch each cache holds, {devices(e2e_rows)}, each "
+        f"against FLASH_ATTN in the same run ({len(used)} runs, dated in docs/results.md; "
+        "`eval/results/e2e_throughput.json`)."])
+
+
+# --- documents -------------------------------------------------------------------------
+
+
+def render(text: str, path: str) -> str:
+    """``text`` with every marked table regenerated."""
+    out, lines, i = [], text.split("\n"), 0
+    while i < len(lines):
+        out.append(lines[i])
+        m = BEGIN.match(lines[i])
+        i += 1
+        if not m:
+            continue
+        if m.group(1) not in TABLES:
+            raise SystemExit(f"report.py: {path}: no table named {m.group(1)!r} (known: {', '.join(TABLES)})")
+        end = next((j for j in range(i, len(lines)) if lines[j] == END), None)
+        if end is None:
+            raise SystemExit(f"report.py: {path}: table {m.group(1)!r} has no {END} line")
+        out += TABLES[m.group(1)]().split("\n") + [END]
+        i = end + 1
+    return "\n".join(out)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true",
+                   help="write nothing; exit 1 where a document's tables differ from the results")
+    a = p.parse_args()
+    stale = 0
+    for doc in DOCUMENTS:
+        path = ROOT / doc
+        old = path.read_text()
+        new = render(old, doc)
+        if new == old:
+            continue
+        if a.check:
+            stale += 1
+            sys.stdout.writelines(difflib.unified_diff(old.splitlines(True), new.splitlines(True),
+                                                       doc, doc + " (from eval/results)"))
+        else:
+            path.write_text(new)
+            print(f"report.py: rewrote the tables of {doc}")
+    if stale:
+        print(f"report.py: {stale} document(s) out of date with eval/results: run python eval/report.py",
+              file=sys.stderr)
+    return 1 if stale else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -382,12 +382,15 @@ def main() -> int:
     p.add_argument("--prompts-only", action="store_true", help="make the prompts (and "
                    "--lm-eval-data) and stop: no engine")
     p.add_argument("--plot-only", action="store_true", help="redraw the plot of --out")
-    p.add_argument("--gpus", type=int, default=1, help="run the caches on this many GPUs at "
-                   "once, one worker process each (same engine settings on every GPU)")
+    p.add_argument("--gpus", nargs="+", default=None, metavar="ID", help="run the caches on "
+                   "these GPUs at once, one worker process each (CUDA_VISIBLE_DEVICES=ID; same "
+                   "engine settings on every GPU)")
     p.add_argument("--raw", help="each cache's raw results (default: beside --out, OUT_raw/); a "
                    "cache whose raw file is there is not run again, so a cut run resumes")
     p.add_argument("--engine", type=int, nargs="+", help=argparse.SUPPRESS)  # a worker's share
     args = p.parse_args()
+    if args.gpus and len(args.gpus) == 1:  # before anything initialises CUDA
+        os.environ["CUDA_VISIBLE_DEVICES"] = args.gpus[0]
     png = os.path.splitext(args.out)[0] + ".png"
     if args.plot_only:
         plot(json.load(open(args.out))["models"], png)
@@ -450,14 +453,14 @@ def main() -> int:
     todo = [i for i in range(len(engines)) if not os.path.exists(raw_path(i))]
     if args.engine is not None:  # a worker: these engines, here
         todo = [i for i in args.engine if i in todo]
-    if args.engine is None and args.gpus > 1 and todo:
-        # one worker process per GPU, each taking every gpus-th engine still to run
+    if args.engine is None and args.gpus and len(args.gpus) > 1 and todo:
+        # one worker process per GPU, each taking every len(gpus)-th engine still to run
         procs = []
-        for g in range(args.gpus):
-            mine = todo[g :: args.gpus]
+        for k, gpu in enumerate(args.gpus):
+            mine = todo[k :: len(args.gpus)]
             if mine:
                 cmd = [sys.executable] + sys.argv + ["--raw", raw, "--engine", *map(str, mine)]
-                env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(g))
+                env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpu)
                 procs.append((mine, subprocess.Popen(cmd, env=env)))
         for mine, proc in procs:
             if proc.wait():
@@ -485,7 +488,7 @@ def main() -> int:
                    fidelity=dict(docs=len(docs), tokens_per_doc=context - 1,
                                  text=[os.path.basename(x) for x in args.fidelity_text]),
                    haystack=[os.path.basename(x) for x in args.haystack],
-                   max_model_len=args.max_model_len, gpus=args.gpus, engines=[], retrieval=[],
+                   max_model_len=args.max_model_len, gpus=len(args.gpus or [0]), engines=[], retrieval=[],
                    fidelity_rows=[])
     results = [json.load(open(raw_path(i))) if os.path.exists(raw_path(i))
                else dict(error="no result: its worker stopped first") for i in range(len(engines))]

@@ -120,8 +120,8 @@ def test_customize_spec_sizes_pages_from_codebooks(model_factory):
 def test_page_size_is_the_asking_engines_outside_vllms_config_context(model_factory):
     """vLLM asks for the page size from its model runner (``self.vllm_config``) or a
     function given ``vllm_config``, outside its config context: each engine gets its own
-    codebooks' size, however the engines' calls interleave; nothing is remembered between
-    calls (two engines in one process)."""
+    codebooks' size, however the engines' calls interleave (two engines in one process;
+    engine_config.vllm_config_of_caller finds the caller's config on the stack)."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     from vllm_pq_backend.backend import PQAttentionBackend
@@ -149,6 +149,77 @@ def test_page_size_is_the_asking_engines_outside_vllms_config_context(model_fact
         PQAttentionBackend.customize_spec(dense)
 
 
+def test_engine_config_is_resolved_once_per_vllm_config(model_factory):
+    """The backend (page size), the metadata builder and the impl read one EngineConfig per
+    vLLM config; another config (another engine in this process) gets its own, and a
+    config's entry goes when the config does."""
+    import gc
+
+    from helpers import Sim
+
+    from vllm_pq_backend import engine_config
+    from vllm_pq_backend.engine_config import EngineConfig
+
+    model = model_factory(64, 4, 2)
+    a = vllm_config(model, block_size=64, pq={"m": 32, "window": 64})
+    b = vllm_config(model, block_size=64, pq={"m": 16, "window": 0})
+    sim = Sim(a)
+    cfg = EngineConfig.of(a)
+    assert sim.impl.cfg is cfg and sim.builder.cfg is cfg and EngineConfig.of(a) is cfg
+    assert (cfg.m_k, cfg.m_v, cfg.window, cfg.block_size) == (32, 32, 64, 64)
+    assert sim.spec.page_size_bytes == 64 * 2 * (32 + 32)
+    other = EngineConfig.of(b)
+    assert other is not cfg and (other.m_k, other.m_v, other.window) == (16, 16, 0)
+    key = id(b)
+    assert key in engine_config._RESOLVED
+    del b, other
+    gc.collect()
+    assert key not in engine_config._RESOLVED
+
+
+def _vllm_log(fn):
+    """The messages vLLM's "vllm" logger receives while ``fn`` runs."""
+    import logging
+
+    records = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    vllm_logger = logging.getLogger("vllm")
+    old_level = vllm_logger.level
+    vllm_logger.addHandler(handler)
+    vllm_logger.setLevel(logging.INFO)
+    try:
+        fn()
+    finally:
+        vllm_logger.removeHandler(handler)
+        vllm_logger.setLevel(old_level)
+    return [r.getMessage() for r in records]
+
+
+def test_serving_warns_when_the_window_differs_from_calibration(tmp_path):
+    """Calibration records the window its statistics assumed (``--window``): serving with
+    another one warns once, in one line, with both numbers and the fix; the same window
+    says nothing."""
+    from helpers import hf_config
+
+    from vllm_pq_backend.engine_config import EngineConfig
+
+    d = write_model_config(str(tmp_path / "m"), head_dim=64)
+    cfg = hf_config(d)
+    shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, 32, 256, 2)
+    path = str(tmp_path / "cb.safetensors")
+    codebooks.save_codebooks(path, torch.randn(shape), torch.randn(shape), cfg,
+                             {"model": d, "window": 128})
+    served = EngineConfig.of(vllm_config(d, block_size=128, pq={"codebooks": path, "window": 64}))
+    lines = _vllm_log(lambda: (served.window, served.window))
+    warned = [x for x in lines if "calibrated" in x]
+    assert len(warned) == 1 and "\n" not in warned[0], lines
+    assert "serving with window 64" in warned[0] and "for window 128" in warned[0]
+    assert "--window 64" in warned[0] and '{"pq": {"window": 128}}' in warned[0]
+    same = EngineConfig.of(vllm_config(d, block_size=128, pq={"codebooks": path, "window": 128}))
+    assert not [x for x in _vllm_log(lambda: same.window) if "calibrated" in x]
+
+
 def test_config_precedence_and_defaults(tmp_path, monkeypatch):
     model = write_model_config(str(tmp_path / "m"))
     monkeypatch.delenv("VLLM_PQ_M", raising=False)
@@ -158,10 +229,10 @@ def test_config_precedence_and_defaults(tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_PQ_M", "16")
     monkeypatch.setenv("VLLM_PQ_WINDOW", "0")
     cfg = PQConfig.from_sources(None, model)
-    assert cfg.m == 16 and cfg.resolve_window(128) == 0
+    assert cfg.m_k == 16 and cfg.resolve_window(128) == 0
     assert cfg.codebook_file(64).endswith("pq/codebooks_m16.safetensors")
     cfg = PQConfig.from_sources({"pq": {"m": 8, "window": 64}}, model)
-    assert cfg.m == 8 and cfg.m_v == 8 and cfg.resolve_window(128) == 64
+    assert cfg.m_k == 8 and cfg.m_v == 8 and cfg.resolve_window(128) == 64
     cfg = PQConfig.from_sources({"pq": {"m": 32, "m_v": 16}}, model)  # K 4 / V 2 bits
     assert cfg.codebook_file(64).endswith("pq/codebooks_m32_v16.safetensors")
     monkeypatch.delenv("VLLM_PQ_M")
@@ -238,25 +309,14 @@ def test_impl_refuses_wrong_codebooks(tmp_path):
 def test_memory_report_reaches_vllm_log(model_factory):
     """The start-up report (bytes per token, the window's cost per running sequence) goes
     to vLLM's "vllm" logger, whose handler prints it in vLLM's processes."""
-    import logging
-
     from helpers import Sim
 
-    records = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = records.append
-    vllm_logger = logging.getLogger("vllm")
-    old_level = vllm_logger.level
-    vllm_logger.addHandler(handler)
-    vllm_logger.setLevel(logging.INFO)
-    try:
+    def serve():
         sim = Sim(vllm_config(model_factory(64, 4, 2), block_size=64, pq={"window": 64}))
         sim.add(0)
         sim.step([(0, 3)])
-    finally:
-        vllm_logger.removeHandler(handler)
-        vllm_logger.setLevel(old_level)
-    lines = [r.getMessage() for r in records if "vllm_pq_backend" in r.getMessage()]
+
+    lines = [x for x in _vllm_log(serve) if "vllm_pq_backend" in x]
     assert any("B/token" in x and "per running sequence" in x for x in lines), lines
 
 
@@ -534,37 +594,34 @@ def test_window_store_lowers_admission_to_fit_its_memory_share(model_factory, mo
     cache should give it: it gets rows for at most ``window_memory`` of what vLLM has left
     for the KV cache and tells the scheduler (max_num_active_seqs) to admit no more. The
     user's --max-num-active-seqs wins; with several workers nothing is lowered."""
-    import types
-
-    from vllm_pq_backend import impl as impl_mod
+    from vllm_pq_backend.engine_config import EngineConfig
 
     vc = vllm_config(model_factory(64, 4, 2), block_size=64, pq={"window": 64}, max_num_seqs=1024)
-    stub = types.SimpleNamespace(
-        _vllm_config=vc, cfg=types.SimpleNamespace(window_memory=0.1), num_kv_heads=2,
-        window=64, head_size=64, codebook_info=types.SimpleNamespace(num_layers=2))
-    per_seq = impl_mod.window_bytes_per_seq(stub, torch.bfloat16)
-    assert per_seq == 2 * 2 * 64 * 64 * 2 * 2
+    cfg = EngineConfig.of(vc)
+    per_seq = cfg.window_bytes_per_seq(2, torch.bfloat16)
+    assert per_seq == 2 * 2 * 64 * 64 * 2 * 2  # K and V, 2 KV heads, W 64, d 64, bf16, 2 layers
     gib = 1 << 30
     vc.cache_config.gpu_memory_utilization = 0.5
     mib = 1 << 20  # 4 GiB for vLLM, all but 64 MiB already in use
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (4 * gib + 64 * mib, 8 * gib))
-    rows = impl_mod.window_rows(stub, "cuda", torch.bfloat16)
+    rows = cfg.window_rows(2, torch.bfloat16, "cuda")
     assert rows == int(0.1 * 64 * mib) // per_seq == 102
     assert vc.scheduler_config.max_num_active_seqs == rows  # what the scheduler admits
+    assert cfg.scratch_row == rows  # the builder's padding row: one past them
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1, 8 * gib))
-    assert impl_mod.window_rows(stub, "cuda", torch.bfloat16) == rows  # later layers agree
+    assert cfg.window_rows(2, torch.bfloat16, "cuda") == rows  # later layers agree
     vc.scheduler_config.max_num_active_seqs = None
     object.__setattr__(vc.parallel_config, "world_size", 2)
-    assert impl_mod.window_rows(stub, "cuda", torch.bfloat16) == 1024
+    assert cfg.window_rows(2, torch.bfloat16, "cuda") == 1024
     assert vc.scheduler_config.max_num_active_seqs is None
     vc.scheduler_config.max_num_active_seqs = 3  # the user's
-    assert impl_mod.window_rows(stub, "cuda", torch.bfloat16) == 3
+    assert cfg.window_rows(2, torch.bfloat16, "cuda") == 3
     # --kv-cache-memory-bytes: vLLM gives the KV cache exactly that, whatever other
     # processes hold (two servers sharing a GPU start together): the share is of it.
     object.__setattr__(vc.parallel_config, "world_size", 1)
     vc.scheduler_config.max_num_active_seqs = None
     vc.cache_config.kv_cache_memory_bytes = 256 * mib
-    assert impl_mod.window_rows(stub, "cuda", torch.bfloat16) == int(0.1 * 256 * mib) // per_seq == 409
+    assert cfg.window_rows(2, torch.bfloat16, "cuda") == int(0.1 * 256 * mib) // per_seq == 409
 
 
 @pytest.mark.parametrize("total_kv,tp,rank,want", [(8, 2, 1, [4, 5, 6, 7]), (8, 4, 2, [4, 5]),

@@ -21,7 +21,7 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
 from . import codes_attention, ops
 from .codes_attention import CodesPlan, CodesShape
-from .config import PQConfig
+from .engine_config import EngineConfig
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler, see __init__
 
@@ -33,10 +33,10 @@ class WindowRows:
     a slot keeps its row while it is seen, so requests running together never share one.
 
     vLLM hands out slots last-freed-first, so no more slots are ever in use than requests
-    ran together, which the scheduler keeps at ``rows`` (impl.window_rows). Which slots
-    those are is not fixed: its start-up kernel warm-up runs hundreds of requests and frees
-    them by name, so serving starts from a shuffled stack (counting slots from the top, as
-    this once did, sent most requests to one shared row). So a slot gets a row when first
+    ran together, which the scheduler keeps at ``rows`` (EngineConfig.window_rows). Which
+    slots those are is not fixed: its start-up kernel warm-up runs hundreds of requests and
+    frees them by name, so serving starts from a shuffled stack (rows counted from the top
+    slot would send most requests to one shared row). So a slot gets a row when first
     seen, and a slot not in the step being built can lose its row only to a slot never
     seen before, least recently seen first. Start-up's slots (warm-up, dummy runs, graph
     capture) are older than any served request's, and once they are gone no new slot can
@@ -376,9 +376,9 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
     that a token's attention is the same arithmetic whether it is decoded, prefilled in
     one chunk or in many, recomputed after preemption, or batched with anything else, at
     the price of dequantizing each request's history at every decode step. FlashAttention
-    with one split was bitwise for one request but not across batch compositions (vLLM on
-    H200 with chunked prefill: 13/24 identical greedy outputs for FLASH_ATTN, 24/24 for
-    TRITON_ATTN, eval/results/vllm_features_batch_invariant_eager*.json).
+    with one split is bitwise for one request but not across batch compositions (vLLM on
+    an H200 with chunked prefill: 13 of 24 greedy outputs identical for FLASH_ATTN, 24 of
+    24 for TRITON_ATTN).
     """
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = (
@@ -396,14 +396,17 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self._init_reorder_batch_threshold(1)
-        model = vllm_config.model_config.model if vllm_config.model_config else None
-        cfg = PQConfig.from_sources(vllm_config.additional_config, model)
+        self.cfg = EngineConfig.of(vllm_config)
         self.block_size = kv_cache_spec.block_size
-        self.window = cfg.resolve_window(self.block_size)
+        if self.block_size != self.cfg.block_size:
+            raise RuntimeError(
+                f"vllm_pq_backend: the layers' KV cache blocks of {self.block_size} tokens "
+                f"differ from the engine's block size {self.cfg.block_size}: the pages and "
+                "the window would disagree; set --block-size explicitly."
+            )
+        self.window = self.cfg.window
         sched = vllm_config.scheduler_config
-        self._sched = sched
-        max_len = vllm_config.model_config.max_model_len if vllm_config.model_config else 0
-        self.prefill_page_tokens = prefill_page_tokens(max_len, self.block_size)
+        self.prefill_page_tokens = prefill_page_tokens(self.cfg.max_model_len, self.block_size)
         size = max(sched.max_num_seqs, sched.max_num_batched_tokens)
         self.req_rows = torch.empty((size,), dtype=torch.int32, device=device)
         self.window_rows = WindowRows()
@@ -428,7 +431,7 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
         if dev.type == "cuda":
             # (LayerState reserves these bytes in the profiling run: vLLM sizes the KV cache
             # before it builds this)
-            slots = ops.workspace_slots(ops.decode_rows(vllm_config), q_heads, kv_heads,
+            slots = ops.workspace_slots(self.cfg.max_decode_rows, q_heads, kv_heads,
                                         self.num_sms)
             self.ws_o = torch.empty(slots * kv_cache_spec.head_size, dtype=torch.float32,
                                     device=dev)
@@ -440,15 +443,6 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
                 "(dequantized history + vLLM's Triton attention), slower than the decode "
                 "kernel."
             )
-
-    @property
-    def scratch_row(self) -> int:
-        """The window store's last row, where CUDA-graph padding requests and dummy runs
-        write, never touching a live request's rows. The store has a row per admitted
-        running request (impl.window_rows), a number the first layer settles when the
-        model first runs and writes back as ``max_num_active_seqs``: read at each build,
-        not when this builder is made, whichever of the two vLLM does first."""
-        return self._sched.max_num_active_seqs or self._sched.max_num_seqs
 
     def build(
         self,
@@ -467,7 +461,7 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
         seq_cpu = (seq_cpu if seq_cpu is not None else cam.seq_lens.cpu())[:n]
         rows_cpu = None
         if self.window > 0:
-            scratch = self.scratch_row
+            scratch = self.cfg.scratch_row  # read at each build: the first layer settles it
             if self._rows_filled_with != scratch:  # CUDA-graph padding rows read these
                 self.req_rows.fill_(scratch)
                 self._rows_filled_with = scratch

@@ -127,13 +127,6 @@ def workspace_slots(max_decodes: int, q_heads: int, kv_heads: int, num_sms: int)
     return max(n * q_heads * num_splits_for(n, ctas, num_sms) for n in range(1, max_decodes + 1))
 
 
-def decode_rows(vllm_config) -> int:
-    """Most rows one decode step can pass the kernel: max_num_seqs, or a larger CUDA graph
-    capture size (graphs pad a batch up to one)."""
-    sizes = vllm_config.compilation_config.cudagraph_capture_sizes or []
-    return max([vllm_config.scheduler_config.max_num_seqs, *sizes])
-
-
 def num_ctas_for(ctas_per_split: int, num_sms: int) -> int:
     """Decode kernel CTAs per KV-head group: one wave of the GPU (a CTA per SM, as the
     codebooks fill its shared memory), each taking its (request, split) items in turn and

@@ -7,33 +7,35 @@ from vllm import envs
 from vllm.logger import init_logger
 from vllm.v1.attention.backend import AttentionImpl, AttentionLayer, AttentionType
 
-from . import codebooks, kernels, nearest, ops, reference
+from . import codebooks, cuda_ops, fallback, kernels, nearest, ops, plans
 from .engine_config import EngineConfig
 from .layout import PageLayout
-from .metadata import PQMetadata, prefill_page_tokens
+from .metadata import PQMetadata
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler, see __init__
 
 
 class LayerState:
-    """One layer's codebooks, maps and window store, on the layer's device."""
+    """One layer's codebooks, maps, window store and ops, on the layer's device."""
 
     def __init__(self, layer_index: int, impl: PQAttentionImpl, device, dtype):
         cfg = impl.cfg
+        on_gpu = torch.device(device).type == "cuda"
+        # the CUDA kernels where they run, else their PyTorch fallbacks
+        self.kernels = on_gpu and cuda_ops.available()
+        self.ops = cuda_ops if self.kernels else fallback
         info = cfg.codebooks
         start = impl.kv_head_offset(info.num_kv_heads)
-        k32, v32 = codebooks.load_layer(
-            info, layer_index, slice(start, start + impl.num_kv_heads)
-        )
+        heads = slice(start, start + impl.num_kv_heads)
+        k32, v32 = codebooks.load_layer(info, layer_index, heads)
         # encode: fp32; NaN marker centroid for non-finite K/V (layout.NAN_CODE)
         self.k_cb32 = codebooks.nan_marked(k32).to(device)
         self.v_cb32 = codebooks.nan_marked(v32).to(device)
         self.k_cb, self.v_cb = self.k_cb32.to(dtype), self.v_cb32.to(dtype)  # attend
         # the decode kernel's shared-memory image of both (csrc/pq_decode.cuh), built once
-        self.books = (torch.ops.pq_backend.decode_books(self.k_cb, self.v_cb) if ops.use_kernels(self.k_cb)
+        self.books = (cuda_ops.decode_books(self.k_cb, self.v_cb) if self.kernels
                       else self.k_cb.new_empty(0, dtype=torch.uint8))
         # the store kernel's cells of 2-D subspaces (nearest.py; empty: the full search)
-        on_gpu = torch.device(device).type == "cuda"
         self.k_grid, self.v_grid = (nearest.build(cb) if on_gpu else cb.new_empty(0, dtype=torch.uint8)
                                     for cb in (self.k_cb32, self.v_cb32))
         if on_gpu and not torch.cuda.is_current_stream_capturing():
@@ -46,19 +48,18 @@ class LayerState:
         # unchanged), values v T_v and outputs o T_v^-1. Everything after them (store,
         # window, kernels, prefill) works in the mapped frame. fp32: a bf16 map would
         # perturb q.k by more than bf16 rounding of q and k does.
-        tk, tv = codebooks.load_transforms(info, layer_index, slice(start, start + impl.num_kv_heads))
-        self.maps = {
+        tk, tv = codebooks.load_transforms(info, layer_index, heads)
+        maps = {
             "key": tk, "query": None if tk is None else torch.linalg.inv(tk.double()).mT.float(),
             "value": tv, "output": None if tv is None else torch.linalg.inv(tv.double()).float(),
         }
         # the map kernel multiplies in the activation dtype (T split in two parts, pq_map.cu)
-        big = max((t.abs().max().item() for t in self.maps.values() if t is not None), default=0.0)
+        big = max((t.abs().max().item() for t in maps.values() if t is not None), default=0.0)
         if big > torch.finfo(dtype).max:
             raise ValueError(f"layer {layer_index}: the codebooks' maps reach {big:.3g}, beyond "
                              f"{dtype}'s range; run the model in bfloat16 or recalibrate.")
         # contiguous: linalg.inv returns column-major matrices, the map kernel reads rows
-        self.maps = {k: None if t is None else t.to(device).contiguous()
-                     for k, t in self.maps.items()}
+        self.maps = {k: None if t is None else t.to(device).contiguous() for k, t in maps.items()}
         self.layout = PageLayout(cfg.block_size, cfg.m_k, cfg.m_v)
         self.window = cfg.window
         self.sliding_window = impl.sliding_window
@@ -68,48 +69,21 @@ class LayerState:
             shape = (rows, impl.num_kv_heads, self.window, impl.head_size)
             self.win_k = torch.zeros(shape, dtype=dtype, device=device)
             self.win_v = torch.zeros(shape, dtype=dtype, device=device)
-        self.hq, self.d, self.device = impl.num_heads, impl.head_size, device
+        self.d = impl.head_size
         # FlashAttention's version for prefill, chosen once: vLLM's choice walks the platform and
         # config each call, a host cost every layer of every step that carries a prompt
         self.fa_version = ops.flash_attn_version(device, impl.head_size)
         # The profiling run's peak must include a prefill group's transient pages and the
         # decode kernel's split results (which the metadata builder allocates after vLLM
         # sized the KV cache), so that vLLM leaves room for them.
-        pages = prefill_page_tokens(cfg.max_model_len, cfg.block_size)
-        self.prefill_scratch = ops.prefill_scratch_bytes(pages, impl.num_kv_heads, self.d,
-                                                         self.layout, self.window,
-                                                         envs.VLLM_BATCH_INVARIANT)
-        self.decode_workspace = 4 * (self.d + 1) * ops.workspace_slots(
-            cfg.max_decode_rows, impl.num_heads, impl.num_kv_heads,
-            ops.num_sms(device))
-        if torch.device(device).type == "cuda":  # freed at once: the peak counts
+        pages = plans.prefill_page_tokens(cfg.max_model_len, cfg.block_size)
+        self.prefill_scratch = plans.prefill_scratch_bytes(
+            pages, impl.num_kv_heads, self.d, self.layout, self.window, envs.VLLM_BATCH_INVARIANT)
+        self.decode_workspace = 4 * (self.d + 1) * plans.workspace_slots(
+            cfg.max_decode_rows, impl.num_heads, impl.num_kv_heads, plans.num_sms(device))
+        if on_gpu:  # freed at once: the peak counts
             torch.empty(self.prefill_scratch + self.decode_workspace, dtype=torch.uint8,
                         device=device)
-
-    def map(self, *items: tuple[str, torch.Tensor], inplace: bool = False) -> list[torch.Tensor]:
-        """Each ``(which, x [n, heads, d])`` through the codebooks' ``which`` map (identity
-        if none; query and output rows use their KV head's map). On CUDA one kernel launch
-        for all of them, whose fp32 sums run in a fixed order, so that a token's result
-        does not depend on the rest of the batch (csrc/pq_map.cu); reference.map_rows
-        elsewhere. ``inplace`` writes the results into the ``x``s."""
-        out = [x for _, x in items]
-        todo = [i for i, (which, _) in enumerate(items) if self.maps[which] is not None]
-        if not todo:
-            return out
-        xs = [items[i][1] for i in todo]
-        ts = [self.maps[items[i][0]] for i in todo]
-        if ops.use_kernels(xs[0]):
-            ys = xs if inplace else [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in xs]
-            torch.ops.pq_backend.map(ys, xs, ts)
-        else:
-            ys = [reference.map_rows(t, x) for t, x in zip(ts, xs)]
-            if inplace:
-                for x, y in zip(xs, ys):
-                    x.copy_(y)
-                ys = xs
-        for i, y in zip(todo, ys):
-            out[i] = y
-        return out
 
 
 class PQAttentionImpl(AttentionImpl[PQMetadata]):
@@ -208,7 +182,7 @@ class PQAttentionImpl(AttentionImpl[PQMetadata]):
             return output.zero_()
         n = md.num_actual_tokens
         out = output[:n]
-        q, k, v = st.map(("query", query[:n]), ("key", key[:n]), ("value", value[:n]))
+        q, k, v = ops.apply_maps(st, ("query", query[:n]), ("key", key[:n]), ("value", value[:n]))
         # The step's codes first: a prefill chunk's codes part reads its own tokens' codes.
         # vLLM pads the slot mapping to the CUDA-graph size with -1 (stored nowhere); the
         # store takes the n rows of the step's own tokens.
@@ -218,7 +192,7 @@ class PQAttentionImpl(AttentionImpl[PQMetadata]):
             ops.decode(out, q, k, v, kv_cache, md, st, self.scale)
         if md.num_prefills:
             ops.prefill(out, q, k, v, kv_cache, md, st, self.scale)
-        st.map(("output", out.view(n, self.num_heads, self.head_size)), inplace=True)
+        ops.apply_maps(st, ("output", out.view(n, self.num_heads, self.head_size)), inplace=True)
         return output
 
 
@@ -260,8 +234,7 @@ def _log_memory(impl: PQAttentionImpl, st: LayerState) -> None:
         "(dense %s: %d B/token, %.1fx less). %s Codebooks: %.1f MiB. Prefill pages "
         "(transient, one layer): %.1f MiB. Decode split results: %.1f MiB.",
         codebooks.describe_m(impl.head_size, st.layout.m_k, st.layout.m_v),
-        f"CUDA kernels ({kernels.load()})" if ops.use_kernels(st.k_cb)
-        else "PyTorch reference path (slow)",
+        f"CUDA kernels ({kernels.load()})" if st.kernels else "PyTorch reference path (slow)",
         st.layout.block_size, st.window, layers, per_token, st.k_cb.dtype,
         dense, dense / per_token, window, books / 2**20, st.prefill_scratch / 2**20,
         st.decode_workspace / 2**20,

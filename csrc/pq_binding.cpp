@@ -1,5 +1,6 @@
-// Torch custom ops over the torch-free kernels: torch.ops.pq_backend.store / .window_write /
-// .decode / .decode_books / .map.
+// Torch custom ops over the torch-free kernels, torch.ops.pq_backend.*: store, window_write,
+// dequant_pages, own_subpages, decode_books, decode and map (the schemas in TORCH_LIBRARY
+// below; one typed Python wrapper each in vllm_pq_backend/cuda_ops.py).
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>

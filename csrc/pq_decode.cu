@@ -1,6 +1,6 @@
 // Decode entry point: picks the (dtype, head_dim, Mk, Mv) instantiation, then, with more
 // than one split, merges the split results by their log-sum-exp (a kernel of its own: the
-// last CTA of each request merging them in place was slower, eval/results/decode_splits_f23ed56/).
+// last CTA of each request merging them in place is slower).
 // The instantiations live in generated units
 // (csrc/gen_units.py, which also writes the list of cases below) so that they compile
 // in parallel.

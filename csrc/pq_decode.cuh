@@ -3,7 +3,7 @@
 // CTA = (KV head x group of <= 8 query heads, one of num_ctas): it loads the head's
 // codebooks into shared memory once, then takes one (request, split) item in each round of
 // num_ctas items, longest requests first (plan_items; num_ctas CTAs per head group fill the
-// GPU once; a CTA per item reloaded the codebooks, as many bytes as a 1K-token split's
+// GPU once; a CTA per item would reload the codebooks, as many bytes as a 1K-token split's
 // codes, for every item). Its warps take 32-token chunks of the item's split. The codes of
 // a KV head are read once for all its query heads: scores are S = K^ Q^T with K^
 // dequantized from the codebook straight into mma.m16n8k16 A fragments (16 tokens x 16
@@ -20,9 +20,9 @@
 // entries sit in distinct banks, whatever the codes: no bank conflicts. The MMA fragments
 // tie a subspace to a lane column (K) or row (V), so lanes take their subspaces in a
 // rotated order (K by lane row within blocks of 8 / DWK subspaces, V by lane column within
-// blocks of NV tiles) and rotate the looked-up words back with selects. (The layout before,
-// which spread each subspace over a few banks by code, averaged 3 wavefronts per lookup:
-// eval/results/ncu_decode/.) Where a V block has fewer than 4 tiles (head_dim 64 at 2 bits
+// blocks of NV tiles) and rotate the looked-up words back with selects. (Spreading each
+// subspace over a few banks by code instead averages 3 wavefronts per lookup in Nsight
+// Compute.) Where a V block has fewer than 4 tiles (head_dim 64 at 2 bits
 // and below, head_dim 128 at 1 bit) lane columns share tiles: 2- or 4-way conflicts remain.
 // At head_dim 128 and 4 or 2 bits the blocks are shortened on purpose (DecodeCfg::XK, XV):
 // a select round less for 2-way conflicts.
@@ -83,11 +83,10 @@ struct DecodeCfg {
   // blocks (XK = XV = 1) span a shared-memory phase (32 / DWK lanes: 8 / DWK lane rows for K,
   // 4 lane columns for V) and are conflict-free. XK / XV = 2 halves them: one select round
   // less per lookup at 2-way bank conflicts. The kernel is bound by the instructions it
-  // issues more than by shared-memory wavefronts (eval/results/decode_rot_fma_b416ca1/), so
-  // at head_dim 128 the round saved wins where measured (one H100, Llama-3-8B and Qwen2.5-7B
-  // shapes, eval/results/decode_short_blocks_bd5f795/): 4 bits, both halved: 8-11% less time
-  // at 32K; 2 bits, K halved: 0.4-4.7% less at 32K (V halved as well was up to 5% slower).
-  // Other shapes keep full blocks (not measured).
+  // issues more than by shared-memory wavefronts, so at head_dim 128 the round saved wins
+  // where measured (one H100, Llama-3-8B and Qwen2.5-7B shapes): 4 bits, both halved: 8-11%
+  // less time at 32K; 2 bits, K halved: 0.4-4.7% less at 32K (V halved as well: up to 5%
+  // slower). Other shapes keep full blocks (not measured).
   static constexpr int XK = D == 128 && (MK == 64 || MK == 32) && MV == MK ? 2 : 1;
   static constexpr int XV = D == 128 && MK == 64 && MV == 64 ? 2 : 1;
   static constexpr int NK = 8 / DWK / XK;
@@ -96,13 +95,12 @@ struct DecodeCfg {
   // 32-bit words of a code's image row spanned by one block: K's 4 lane columns, V's 8 lane rows
   static constexpr int kKBlockWords = 4 * NK * DWK;
   static constexpr int kVBlockWords = 8 * NV * DWV;
-  // 12 warps hid latency better than 8 that prefetched the next chunk's codes into registers
-  // (<= 168 registers against 246-251): at 4 bits 0.86x FA3 instead of 0.85x at 1K x 64,
-  // 1.33x instead of 1.16x at 32K x 8; 16 warps (128 registers, small spills) were within 2%
-  // of 12 (eval/results/decode_variants/, the lookup layout before the codebook image).
-  // The next chunk's codes are now prefetched into shared memory instead (kStageBytes).
-  // head_dim 256 keeps 8: its codebooks stay in global memory and its fragments need the
-  // registers.
+  // 12 warps hide latency better than 8 that prefetch the next chunk's codes into registers
+  // (<= 168 registers against 246-251): at 4 bits 0.86x FA3 against 0.85x at 1K x 64, 1.33x
+  // against 1.16x at 32K x 8; 16 warps (128 registers, small spills) come within 2% of 12
+  // (measured with lookups spread over banks by code). The next chunk's codes are prefetched
+  // into shared memory (kStageBytes). head_dim 256 keeps 8: its codebooks stay in global
+  // memory and its fragments need the registers.
   static constexpr int kWarps = D <= 128 ? 12 : 8;
   static constexpr int kThreads = 32 * kWarps;
   // The codebook image (k_word / v_word): rows of 256 bytes, one per code. head_dim 128: all K
@@ -124,8 +122,8 @@ struct DecodeCfg {
     return kRedBytes + (int)((0x10000u - ((base + kRedBytes) & 0xffffu)) & 0xffffu);
   }
   // Each warp stages its next chunk's codes in shared memory, copied asynchronously while it
-  // works on the chunk before, so that a chunk starts without waiting on HBM (global-load
-  // stalls were 19% of samples at c4b9156; prefetching into registers cost warps or spills):
+  // works on the chunk before, so that a chunk starts without waiting on HBM (without it,
+  // global-load stalls are 19% of samples; prefetching into registers costs warps or spills):
   // K codes (32 token rows of MK bytes, as in the page) after the codebooks (kStageBytes),
   // V codes (MV rows of 32 tokens) in the reduction region, idle while chunks run
   // (kVStageBytes).
@@ -414,8 +412,8 @@ struct DecodeCta {
   // The codebook image into shared memory (wait_books waits for it). With LUT the K part is
   // each request's Q.centroid table (build_lut) instead. From sm_90 one bulk copy issued by
   // one thread, completing on its own mbarrier, apart from the codes' cp.async copies: so a
-  // warp starts once its own codes and the image are in, not once every warp's codes are
-  // (eval/results/decode_early_222e411/); before sm_90 every 16-byte piece is a cp.async copy.
+  // warp starts once its own codes and the image are in, not once every warp's codes are;
+  // before sm_90 every 16-byte piece is a cp.async copy.
   // The caller makes `bar`'s init visible (a barrier) before anyone waits on it.
   template <bool LUT>
   __device__ void load_books(uint64_t* bar) const {
@@ -489,7 +487,9 @@ __device__ __forceinline__ SplitPlan split_plan(const DecodeArgs& a, int len) {
 // Items (request, split) are dealt to a head group's CTAs in rounds of gridDim.x, requests
 // longest first (a.order) and every other round in reverse (a snake), so that each CTA gets
 // about as many codes as the others whatever the mix of lengths; dealt in the batch's order,
-// the CTA that drew the longest requests set the launch's time (eval/results/decode_sched_*).
+// the CTA that draws the longest requests sets the launch's time (longest first takes 12-28%
+// off the kernel's time with requests of 4K-14K tokens on an H100, wherever a CTA gets more
+// than one item).
 // Which CTA runs an item does not change its result.
 // A CTA resolves its items of rounds r0 .. r0 + kSched - 1 together, lane k of each warp
 // round r0 + k: the item into plans[k] (warp 0) and each warp's first page of its codes into

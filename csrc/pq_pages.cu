@@ -1,9 +1,8 @@
-// Prefill's pages for FlashAttention (vllm_pq_backend/ops.py, _attention_pages): a group's
-// pages dequantized to the activation dtype in FlashAttention's paged layout
+// Prefill's pages for FlashAttention (vllm_pq_backend/ops.py, _pages and _segment_pages): a
+// group's pages dequantized to the activation dtype in FlashAttention's paged layout
 // [pages, B, kv_heads, D], and the segments' own subpages after them. Launched from C++
-// rather than Triton: in vLLM's engine the two Triton launches took 171 us of host time a
-// layer for about 20 us of GPU work (eval/results/steps.json), more than the FlashAttention
-// call itself.
+// rather than Triton: in vLLM's engine two Triton launches take 171 us of host time a layer
+// for about 20 us of GPU work, more than the FlashAttention call itself.
 #include "pq_common.cuh"
 
 namespace pq {

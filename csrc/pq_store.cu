@@ -3,8 +3,9 @@
 // A CTA takes one KV head, K or V, and a group of subspaces, and walks tiles of the
 // tokens (tile_ctas: as many CTAs as fill the GPU once, each tile a CTA's at most): the
 // groups are spread over the grid, not looped over in one CTA, so that a decode step's few
-// tokens still fill the GPU (64 tokens gave 16 CTAs before). K and V have their own
-// subspace width DS, so they are one launch when the widths agree and two otherwise. The
+// tokens still fill the GPU (one CTA looping over every group gives 64 tokens 16 CTAs). K
+// and V have their own subspace width DS, so they are one launch when the widths agree and
+// two otherwise. The
 // full search stages its group's fp32 centroids in shared memory with each centroid's
 // |c|^2 / 2; a warp's lanes take tokens of one subspace, so every centroid read is a
 // broadcast. The nearest centroid
@@ -232,7 +233,7 @@ struct SharedRecord {
 // loaded before any is scored, so that a decode-sized store waits for one round of loads
 // per 4 entries rather than per entry; past the list's end the last entry repeats, which
 // never wins a strict compare, so the first minimum in index order still wins. (A byte
-// load and a clamped index per entry took 23 instructions an entry against about 15.)
+// load and a clamped index per entry take 23 instructions an entry against about 15.)
 template <typename Centroids, typename Record>
 __device__ __forceinline__ int grid_code(float x0, float x1, const Centroids& cs, const Record& rec,
                                          const GridHeader& h) {
@@ -269,13 +270,12 @@ __device__ __forceinline__ int grid_code(float x0, float x1, const Centroids& cs
 // (KV head, K|V) interleaved (SharedCentroids, SharedRecord) and walks tiles of kGridTile
 // tokens (tile_ctas); lane l of a warp searches subspace l % 16 of token l / 16 of a pair,
 // each warp 4 pairs of a tile, whose loads are all issued before the first search. Lanes
-// over the tokens of one subspace, before, read random entries of one table (541 against
-// 427 us for 16K tokens x 8 KV heads on an H100, eval/results/store_grid16_bc1f1dc/; the
-// profile there still counts 1.8 wavefronts per shared load: the two tokens' lanes of one
-// subspace share its banks). The CTA of subspaces 0..15 also checks every element of its
-// tokens' vectors for the non-finite mark, 16 bytes a lane (one lane doing it for each of
-// its tokens likely made that warp the last of a CTA that walks several tiles:
-// eval/results/store_grid16_bc1f1dc/first_attempt_h200/).
+// over the tokens of one subspace would read random entries of one table (541 against
+// 427 us for 16K tokens x 8 KV heads on an H100; the profile still counts 1.8 wavefronts
+// per shared load here: the two tokens' lanes of one subspace share its banks). The CTA of
+// subspaces 0..15 also checks every element of its tokens' vectors for the non-finite mark,
+// 16 bytes a lane (one lane doing it for each of its tokens likely makes that warp the last
+// of a CTA that walks several tiles).
 template <typename T>
 __global__ void __launch_bounds__(kStoreThreads, 3) store_grid_kernel(StoreArgs a, int first_part, int groups) {
   constexpr int kTile = kGridTile, kPairs = kTile / 2 / (kStoreThreads / 32);  // a warp's token pairs per tile
@@ -486,7 +486,7 @@ cudaError_t launch_store(const StoreArgs& a, int first_part, int parts, int m, c
   if constexpr (DS == 2) {
     const bool k = first_part > 0 || a.k_grid, v = first_part + parts < 2 || a.v_grid;
     if (k && v) {
-      // staging pays from about kManyTokens (eval/results/store_l1_*: equal at 1024 tokens)
+      // staging pays from about kManyTokens (the two take equal time at 1024 tokens)
       return a.num_tokens >= kManyTokens ? launch_store_grid<T>(a, first_part, parts, m, stream)
                                          : launch_store_grid_l1<T>(a, first_part, parts, m, stream);
     }

@@ -301,8 +301,9 @@ def varlen_sdpa(q, k, v, cu_seqlens_q, max_seqlen_q, softmax_scale, causal, max_
 
 
 def plan_segments_loops(starts, q_lens, lens, rows, window):
-    """The window segments of metadata.plan_prefill written as plain loops (its oracle):
-    dicts of the int32 and int64 arrays it sets on the plan."""
+    """The window segments and window writes of plans.py written as plain loops (the
+    oracle of plans._segments and plans._window_writes): dicts of the int32 and int64
+    arrays, by the names plans.py gives them."""
     n = len(lens)
     total_q = int(starts[-1])
     seg_q, seg_k, fp_src, st_rows, st_slots, code_out = [0], [0], [], [], [], []

@@ -282,24 +282,41 @@ def test_flash_attention_prefill_plan(model_factory, monkeypatch, window, slidin
         sim.tol = 5e-3
     if grouped:
         sim.builder.prefill_page_tokens = 64
+    sim.builder.fallback = False  # the GPU's plans, on the CPU too
     sim.builder.batch_invariant = batch_invariant
     # every group that reads codes on the kernel, or none
     monkeypatch.setattr(codes_attention, "BREAK_EVEN_ROWS", 10**9 if codes else -1)
     _prefill_plan_steps(sim, window, codes)
 
 
+def _segment_keys(plan):
+    """The plan's SegmentKeys, or None (no window segments)."""
+    from vllm_pq_backend.plans import BatchInvariantPlan, CodesPlan, SegmentsPlan
+
+    if isinstance(plan, BatchInvariantPlan):
+        plan = plan.paged
+    if isinstance(plan, CodesPlan):
+        return None if plan.window is None else plan.window.keys
+    return plan.keys if isinstance(plan, SegmentsPlan) else None
+
+
 def _prefill_plan_steps(sim, window, codes):
+    from vllm_pq_backend.plans import CodesPlan
+
     steps = []
     orig = sim.builder.build
 
     def build(*a, **kw):
         md = orig(*a, **kw)
-        # a group on the kernel iff it has rows that read codes (all of them without a window)
-        steps.extend((p.codes is not None) == (codes and (p.seg_cu_q is None or p.code_out.numel() > 0))
-                     for p in md.prefills)
-        # segment keys without a copy exactly when no earlier step's window entries join them
-        assert all(p.fp_in_order == (p.store_rows.numel() == 0)
-                   for p in md.prefills if p.seg_cu_q is not None)
+        for g in md.prefills:
+            # a group on the kernel iff it has rows that read codes: every row without a
+            # window, the rows at positions >= W with one
+            lens = md.seq_lens_cpu[md.num_decodes + g.req_start : md.num_decodes + g.req_end]
+            reads = window == 0 or bool((lens > window).any())
+            steps.append(isinstance(g.plan, CodesPlan) == (codes and reads))
+            # segment keys without a copy exactly when no earlier step's window entries join them
+            keys = _segment_keys(g.plan)
+            assert keys is None or keys.in_order == (keys.store_rows.numel() == 0)
         return md
 
     sim.builder.build = build
@@ -314,7 +331,7 @@ def _prefill_plan_steps(sim, window, codes):
         sim.add(rid)
     check(sim, sim.step([(0, 1), (5, 20), (6, 30)]), window)
     # two prefix-cache hits on request 2's first two blocks, prefilled in one step (on
-    # FlashAttention their shared pages are dequantized once: ops._prefill_fa)
+    # FlashAttention their shared pages are dequantized once: PagesPlan.page_first)
     a = sim.reqs[2]
     shared = sim.finish(2, keep_blocks=2)
     for rid in (3, 4):

@@ -122,8 +122,8 @@ def test_customize_spec_sizes_pages_from_codebooks(model_factory):
 def test_page_size_is_the_asking_engines_outside_vllms_config_context(model_factory):
     """vLLM asks for the page size from its model runner (``self.vllm_config``) or a
     function given ``vllm_config``, outside its config context: each engine gets its own
-    codebooks' size, however the engines' calls interleave; nothing is remembered between
-    calls (two engines in one process)."""
+    codebooks' size, however the engines' calls interleave (two engines in one process;
+    engine_config.vllm_config_of_caller finds the caller's config on the stack)."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     from vllm_pq_backend.backend import PQAttentionBackend
@@ -151,6 +151,77 @@ def test_page_size_is_the_asking_engines_outside_vllms_config_context(model_fact
         PQAttentionBackend.customize_spec(dense)
 
 
+def test_engine_config_is_resolved_once_per_vllm_config(model_factory):
+    """The backend (page size), the metadata builder and the impl read one EngineConfig per
+    vLLM config; another config (another engine in this process) gets its own, and a
+    config's entry goes when the config does."""
+    import gc
+
+    from helpers import Sim
+
+    from vllm_pq_backend import engine_config
+    from vllm_pq_backend.engine_config import EngineConfig
+
+    model = model_factory(64, 4, 2)
+    a = vllm_config(model, block_size=64, pq={"m": 32, "window": 64})
+    b = vllm_config(model, block_size=64, pq={"m": 16, "window": 0})
+    sim = Sim(a)
+    cfg = EngineConfig.of(a)
+    assert sim.impl.cfg is cfg and sim.builder.cfg is cfg and EngineConfig.of(a) is cfg
+    assert (cfg.m_k, cfg.m_v, cfg.window, cfg.block_size) == (32, 32, 64, 64)
+    assert sim.spec.page_size_bytes == 64 * 2 * (32 + 32)
+    other = EngineConfig.of(b)
+    assert other is not cfg and (other.m_k, other.m_v, other.window) == (16, 16, 0)
+    key = id(b)
+    assert key in engine_config._RESOLVED
+    del b, other
+    gc.collect()
+    assert key not in engine_config._RESOLVED
+
+
+def _vllm_log(fn):
+    """The messages vLLM's "vllm" logger receives while ``fn`` runs."""
+    import logging
+
+    records = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    vllm_logger = logging.getLogger("vllm")
+    old_level = vllm_logger.level
+    vllm_logger.addHandler(handler)
+    vllm_logger.setLevel(logging.INFO)
+    try:
+        fn()
+    finally:
+        vllm_logger.removeHandler(handler)
+        vllm_logger.setLevel(old_level)
+    return [r.getMessage() for r in records]
+
+
+def test_serving_warns_when_the_window_differs_from_calibration(tmp_path):
+    """Calibration records the window its statistics assumed (``--window``): serving with
+    another one warns once, in one line, with both numbers and the fix; the same window
+    says nothing."""
+    from helpers import hf_config
+
+    from vllm_pq_backend.engine_config import EngineConfig
+
+    d = write_model_config(str(tmp_path / "m"), head_dim=64)
+    cfg = hf_config(d)
+    shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, 32, 256, 2)
+    path = str(tmp_path / "cb.safetensors")
+    codebooks.save_codebooks(path, torch.randn(shape), torch.randn(shape), cfg,
+                             {"model": d, "window": 128})
+    served = EngineConfig.of(vllm_config(d, block_size=128, pq={"codebooks": path, "window": 64}))
+    lines = _vllm_log(lambda: (served.window, served.window))
+    warned = [x for x in lines if "calibrated" in x]
+    assert len(warned) == 1 and "\n" not in warned[0], lines
+    assert "serving with window 64" in warned[0] and "for window 128" in warned[0]
+    assert "--window 64" in warned[0] and '{"pq": {"window": 128}}' in warned[0]
+    same = EngineConfig.of(vllm_config(d, block_size=128, pq={"codebooks": path, "window": 128}))
+    assert not [x for x in _vllm_log(lambda: same.window) if "calibrated" in x]
+
+
 def test_config_precedence_and_defaults(tmp_path, monkeypatch):
     model = write_model_config(str(tmp_path / "m"))
     monkeypatch.delenv("VLLM_PQ_M", raising=False)
@@ -160,10 +231,10 @@ def test_config_precedence_and_defaults(tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_PQ_M", "16")
     monkeypatch.setenv("VLLM_PQ_WINDOW", "0")
     cfg = PQConfig.from_sources(None, model)
-    assert cfg.m == 16 and cfg.resolve_window(128) == 0
+    assert cfg.m_k == 16 and cfg.resolve_window(128) == 0
     assert cfg.codebook_file(64).endswith("pq/codebooks_m16.safetensors")
     cfg = PQConfig.from_sources({"pq": {"m": 8, "window": 64}}, model)
-    assert cfg.m == 8 and cfg.m_v == 8 and cfg.resolve_window(128) == 64
+    assert cfg.m_k == 8 and cfg.m_v == 8 and cfg.resolve_window(128) == 64
     cfg = PQConfig.from_sources({"pq": {"m": 32, "m_v": 16}}, model)  # K 4 / V 2 bits
     assert cfg.codebook_file(64).endswith("pq/codebooks_m32_v16.safetensors")
     monkeypatch.delenv("VLLM_PQ_M")
@@ -240,51 +311,47 @@ def test_impl_refuses_wrong_codebooks(tmp_path):
 def test_memory_report_reaches_vllm_log(model_factory):
     """The start-up report (bytes per token, the window's cost per running sequence) goes
     to vLLM's "vllm" logger, whose handler prints it in vLLM's processes."""
-    import logging
-
     from helpers import Sim
 
-    records = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = records.append
-    vllm_logger = logging.getLogger("vllm")
-    old_level = vllm_logger.level
-    vllm_logger.addHandler(handler)
-    vllm_logger.setLevel(logging.INFO)
-    try:
+    def serve():
         sim = Sim(vllm_config(model_factory(64, 4, 2), block_size=64, pq={"window": 64}))
         sim.add(0)
         sim.step([(0, 3)])
-    finally:
-        vllm_logger.removeHandler(handler)
-        vllm_logger.setLevel(old_level)
-    lines = [r.getMessage() for r in records if "vllm_pq_backend" in r.getMessage()]
+
+    lines = [x for x in _vllm_log(serve) if "vllm_pq_backend" in x]
     assert any("B/token" in x and "per running sequence" in x for x in lines), lines
 
 
 def test_prefill_groups_bound_dequantized_pages():
     """Consecutive prefill requests share a group while (requests x widest history) fits
     the page budget; a request wider than the budget still gets a group."""
-    from vllm_pq_backend.metadata import plan_prefills
+    from vllm_pq_backend.plans import PagesPlan, plan_prefills
 
     seq = np.array([100, 30, 300, 10])
     qsl = np.array([5, 105, 110, 120, 130])  # global rows, after 5 decode tokens
     table = torch.arange(4 * 10, dtype=torch.int32).view(4, 10)
-    plans = plan_prefills(qsl, seq, table, 32, 0, None, "cpu", page_tokens=256)
-    assert [(p.req_start, p.req_end) for p in plans] == [(0, 2), (2, 3), (3, 4)]
-    assert [(p.tok_start, p.tok_end) for p in plans] == [(0, 105), (105, 115), (115, 125)]
-    assert plans[0].block_ids.tolist() == [0, 1, 2, 3, 10, 11, 12, 13]  # padded to 4 blocks
-    assert plans[1].block_ids.numel() == 10 and plans[2].seq_lens_cpu == [10]
-    assert sum(len(p.seq_lens_cpu) for p in plans) == 4
+    groups = plan_prefills(qsl, seq, table, 32, 0, None, "cpu", page_tokens=256)
+    assert [(g.req_start, g.req_end) for g in groups] == [(0, 2), (2, 3), (3, 4)]
+    assert [(g.tok_start, g.tok_end) for g in groups] == [(0, 105), (105, 115), (115, 125)]
+    assert all(isinstance(g.plan, PagesPlan) and g.window_write is None for g in groups)
+    p0, p1, p2 = (g.plan for g in groups)
+    assert p0.block_ids.tolist() == [0, 1, 2, 3, 10, 11, 12, 13]  # padded to 4 blocks
+    assert p0.cu_q.tolist() == [0, 100, 105] and p0.seq_lens.tolist() == [100, 30]
+    assert p0.page_table.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]] and (p0.max_q, p0.max_k) == (100, 100)
+    assert p1.block_ids.numel() == 10 and p2.seq_lens.tolist() == [10]
 
 
-def test_builder_on_common_metadata(model_factory):
-    """Decode/prefill split, window rows and the prefill plan from CommonAttentionMetadata."""
+def test_builder_on_common_metadata(model_factory, monkeypatch):
+    """Decode/prefill split, window rows and the prefill plans from CommonAttentionMetadata:
+    the fallback's on the CPU, and the GPU's (window segments, the codes kernel,
+    batch-invariant) for the same step."""
     from vllm.config import set_current_vllm_config
     from vllm.v1.attention.backend import CommonAttentionMetadata
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
+    from vllm_pq_backend import codes_attention
     from vllm_pq_backend.backend import PQAttentionBackend
+    from vllm_pq_backend.plans import BatchInvariantPlan, CodesPlan, FallbackPlan, SegmentsPlan
 
     model = model_factory(64, 4, 2)
     vc = vllm_config(model, block_size=32, pq={"window": 32, "m": 16})
@@ -305,41 +372,66 @@ def test_builder_on_common_metadata(model_factory):
     )
     md = builder.build(0, cam)
     assert (md.num_decodes, md.num_decode_tokens, md.num_prefills) == (2, 2, 1)
-    assert md.req_rows.tolist() == [0, 1, 2]
-    assert md.decode_order.tolist() == [0, 1]  # the decodes longest first
+    assert md.req_rows.tolist() == [0, 1, 2] and md.req_rows_cpu == [0, 1, 2]
+    assert md.decode.order.tolist() == [0, 1]  # the decodes longest first
     assert builder.decode_order[:2].tolist() == [0, 1]
-    (p,) = md.prefills
-    assert p.query_start_loc_cpu == [0, 50] and p.seq_lens_cpu == [70]
-    assert p.block_ids.tolist() == [6, 7, 8]
+    (g,) = md.prefills
+    assert (g.tok_start, g.tok_end, g.req_start, g.req_end) == (0, 50, 0, 1)
+    p = g.plan
+    assert isinstance(p, FallbackPlan)
+    assert p.query_start_loc == [0, 50] and p.seq_lens == [70] and p.rows == [2]
+    assert p.block_table.tolist() == [[6, 7, 8]]
+    # positions 64..69 end in the window store
+    assert g.window_write.tokens.tolist() == list(range(44, 50))
+    assert g.window_write.slots.tolist() == list(range(6))
+    assert g.window_write.rows.tolist() == [2] * 6
+    # on the GPU: FlashAttention over window segments
+    builder.fallback = False
+    (g,) = builder.build(0, cam).prefills
+    p = g.plan
+    assert isinstance(p, SegmentsPlan) and p.block_ids.tolist() == [6, 7, 8]
+    assert p.page_first.tolist() == [0, 1, 2] and p.max_k == 70
     # positions 20..69 in windows [0,32) [32,64) [64,96): three segments
-    assert p.seg_cu_q.tolist() == [0, 12, 44, 50]
-    assert p.seg_cu_k.tolist() == [0, 32, 64, 70]  # 20 earlier tokens come from the store
-    assert p.store_rows.tolist() == [2] * 20 and p.store_slots.tolist() == list(range(20))
-    assert p.fp_src[:20].tolist() == [50 + i for i in range(20)]
-    assert p.code_out.tolist() == list(range(12, 50))  # rows of the segments past position 0
+    assert p.seg_cu_q.tolist() == [0, 12, 44, 50] and p.seg_max_q == 32
+    assert p.keys.store_rows.tolist() == [2] * 20 and p.keys.store_slots.tolist() == list(range(20))
+    assert p.keys.src[:20].tolist() == [50 + i for i in range(20)] and not p.keys.in_order
     # pages of 32 tokens, one subpage each: 3 pages, then the segments' own (3, 4, 5)
     assert p.seg_table.tolist() == [[3, 1, 2], [0, 4, 2], [0, 1, 5]]
     assert p.seg_end.tolist() == [32, 64, 70]
-    assert p.win_slots.tolist() == list(range(6)) and p.win_rows.tolist() == [2] * 6
-    assert not md.batch_invariant
+    assert g.window_write.slots.tolist() == list(range(6))
+    # the codes part on codes_attention's kernel (where it takes these rows)
+    monkeypatch.setattr(codes_attention, "BREAK_EVEN_ROWS", 10**9)
+    (g,) = builder.build(0, cam).prefills
+    p = g.plan
+    assert isinstance(p, CodesPlan) and p.block_table.tolist() == [[6, 7, 8]]
+    assert p.tiles.tile_pos.tolist() == [32, 64] and p.tiles.tile_rows.tolist() == [32, 6]
+    part = p.window
+    assert part.seg_cu_k.tolist() == [0, 32, 64, 70]  # 20 earlier tokens come from the store
+    assert part.keys.src[:20].tolist() == [50 + i for i in range(20)]
+    assert part.code_out.tolist() == list(range(12, 50))  # rows of the segments past position 0
+    monkeypatch.undo()
     with pytest.raises(RuntimeError, match="model runner V2"):
         builder.build(0, cam.replace(req_idx=None))
-    # VLLM_BATCH_INVARIANT=1: the decodes join the prefill path, FlashAttention unsplit
+    # VLLM_BATCH_INVARIANT=1: the decodes join the prefill path
     builder.batch_invariant = True
     md = builder.build(0, cam)
     assert (md.num_decodes, md.num_decode_tokens, md.num_prefills) == (0, 0, 3)
-    assert md.batch_invariant and md.decode_order is None
-    (p,) = md.prefills
-    assert p.query_start_loc_cpu == [0, 1, 2, 52] and p.seq_lens_cpu == [40, 7, 70]
+    assert md.decode is None
+    (g,) = md.prefills
+    assert isinstance(g.plan, BatchInvariantPlan) and isinstance(g.plan.paged, SegmentsPlan)
+    assert g.plan.paged.page_first is None  # every entry dequantized
     # decoded tokens enter the window (positions 39, 6, 64..69)
-    assert p.win_slots.tolist() == [7, 6, *range(6)]
-    assert p.seg_end.tolist() == [40, 7, 32, 64, 70]  # each segment a request of its own
+    assert g.window_write.slots.tolist() == [7, 6, *range(6)]
+    assert g.plan.paged.seg_end.tolist() == [40, 7, 32, 64, 70]  # each segment a request of its own
+    builder.fallback = True
+    (g,) = builder.build(0, cam).prefills
+    assert g.plan.query_start_loc == [0, 1, 2, 52] and g.plan.seq_lens == [40, 7, 70]
 
 
 def test_decode_order_is_longest_first_ties_in_batch_order():
-    from vllm_pq_backend import ops
+    from vllm_pq_backend import plans
 
-    order = ops.decode_order(np.array([7, 40, 7, 0, 40], dtype=np.int32))
+    order = plans.decode_order(np.array([7, 40, 7, 0, 40], dtype=np.int32))
     assert order.dtype == np.int32 and order.tolist() == [1, 4, 0, 2, 3]
 
 
@@ -382,15 +474,18 @@ def test_segment_plan_makes_each_segment_a_request():
     (numbered after the group's) holding the segment's full-precision keys and zeros after
     them; window 0 plans no segments. Shared pages (page_first) are subpages of their first
     entry."""
-    from vllm_pq_backend.metadata import plan_prefills, segment_table
+    from vllm_pq_backend.plans import PagesPlan, SegmentsPlan, plan_prefills, segment_table
 
     # a decode at position 39 (context 40), then positions 20..69 of a second request
     qsl, seq = np.array([0, 1, 51]), np.array([40, 70])
     table = torch.tensor([[3, 0], [6, 7]], dtype=torch.int32)
     rows = [5, 9]
-    assert plan_prefills(qsl, seq, table, 64, 0, rows, "cpu", 1 << 16, True)[0].seg_cu_q is None
+    (g,) = plan_prefills(qsl, seq, table, 64, 0, rows, "cpu", 1 << 16, True)
+    assert isinstance(g.plan.paged, PagesPlan)
     for bi in (True, False):
-        (p,) = plan_prefills(qsl, seq, table, 64, 32, rows, "cpu", 1 << 16, bi)
+        (g,) = plan_prefills(qsl, seq, table, 64, 32, rows, "cpu", 1 << 16, bi)
+        p = g.plan.paged if bi else g.plan
+        assert isinstance(p, SegmentsPlan) and (p.page_first is None) == bi
         assert p.block_ids.tolist() == [3, 0, 6, 7]  # group-local pages 0..3: subpages 0..7
         # segments: [32,40) of request 0 | [0,32) [32,64) [64,70) of request 1
         assert p.seg_cu_q.tolist() == [0, 1, 13, 45, 51]
@@ -399,8 +494,7 @@ def test_segment_plan_makes_each_segment_a_request():
         # segment s's subpage (8 + s): its keys in fp_src's order, then -1 (zeros)
         assert p.fp_at.tolist() == [*range(8), *[-1] * 24, *range(8, 72), *range(72, 78),
                                     *[-1] * 26]
-        assert p.seg_cu_k.tolist() == [0, 8, 40, 72, 78]
-        assert p.fp_src.numel() == 78
+        assert p.keys.src.numel() == 78  # 8 + 32 + 32 + 6 keys
     # two requests on the same two pages: the second's subpages are the first's
     shared = torch.tensor([[0, 1], [0, 1]], dtype=torch.int32)
     got = segment_table(shared, torch.tensor([0, 1]), torch.tensor([1, 0]), 2)
@@ -536,37 +630,34 @@ def test_window_store_lowers_admission_to_fit_its_memory_share(model_factory, mo
     cache should give it: it gets rows for at most ``window_memory`` of what vLLM has left
     for the KV cache and tells the scheduler (max_num_active_seqs) to admit no more. The
     user's --max-num-active-seqs wins; with several workers nothing is lowered."""
-    import types
-
-    from vllm_pq_backend import impl as impl_mod
+    from vllm_pq_backend.engine_config import EngineConfig
 
     vc = vllm_config(model_factory(64, 4, 2), block_size=64, pq={"window": 64}, max_num_seqs=1024)
-    stub = types.SimpleNamespace(
-        _vllm_config=vc, cfg=types.SimpleNamespace(window_memory=0.1), num_kv_heads=2,
-        window=64, head_size=64, codebook_info=types.SimpleNamespace(num_layers=2))
-    per_seq = impl_mod.window_bytes_per_seq(stub, torch.bfloat16)
-    assert per_seq == 2 * 2 * 64 * 64 * 2 * 2
+    cfg = EngineConfig.of(vc)
+    per_seq = cfg.window_bytes_per_seq(2, torch.bfloat16)
+    assert per_seq == 2 * 2 * 64 * 64 * 2 * 2  # K and V, 2 KV heads, W 64, d 64, bf16, 2 layers
     gib = 1 << 30
     vc.cache_config.gpu_memory_utilization = 0.5
     mib = 1 << 20  # 4 GiB for vLLM, all but 64 MiB already in use
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (4 * gib + 64 * mib, 8 * gib))
-    rows = impl_mod.window_rows(stub, "cuda", torch.bfloat16)
+    rows = cfg.window_rows(2, torch.bfloat16, "cuda")
     assert rows == int(0.1 * 64 * mib) // per_seq == 102
     assert vc.scheduler_config.max_num_active_seqs == rows  # what the scheduler admits
+    assert cfg.scratch_row == rows  # the builder's padding row: one past them
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1, 8 * gib))
-    assert impl_mod.window_rows(stub, "cuda", torch.bfloat16) == rows  # later layers agree
+    assert cfg.window_rows(2, torch.bfloat16, "cuda") == rows  # later layers agree
     vc.scheduler_config.max_num_active_seqs = None
     object.__setattr__(vc.parallel_config, "world_size", 2)
-    assert impl_mod.window_rows(stub, "cuda", torch.bfloat16) == 1024
+    assert cfg.window_rows(2, torch.bfloat16, "cuda") == 1024
     assert vc.scheduler_config.max_num_active_seqs is None
     vc.scheduler_config.max_num_active_seqs = 3  # the user's
-    assert impl_mod.window_rows(stub, "cuda", torch.bfloat16) == 3
+    assert cfg.window_rows(2, torch.bfloat16, "cuda") == 3
     # --kv-cache-memory-bytes: vLLM gives the KV cache exactly that, whatever other
     # processes hold (two servers sharing a GPU start together): the share is of it.
     object.__setattr__(vc.parallel_config, "world_size", 1)
     vc.scheduler_config.max_num_active_seqs = None
     vc.cache_config.kv_cache_memory_bytes = 256 * mib
-    assert impl_mod.window_rows(stub, "cuda", torch.bfloat16) == int(0.1 * 256 * mib) // per_seq == 409
+    assert cfg.window_rows(2, torch.bfloat16, "cuda") == int(0.1 * 256 * mib) // per_seq == 409
 
 
 @pytest.mark.parametrize("total_kv,tp,rank,want", [(8, 2, 1, [4, 5, 6, 7]), (8, 4, 2, [4, 5]),
@@ -599,13 +690,13 @@ def test_each_tensor_parallel_rank_loads_its_own_kv_heads(tmp_path, monkeypatch,
 
 @pytest.mark.parametrize("window", [32, 64, 128])
 def test_segment_plan_matches_the_plain_loops(window):
-    """metadata._segments (numpy over all segments) gives the arrays of the plain loops
-    (helpers.plan_segments_loops) on random chunks: fresh prompts, continuations, single
-    tokens, chunks that start and end inside windows; without subpages, the same less
-    the subpages' three arrays."""
+    """plans._segments and plans._window_writes (numpy over all segments) give the arrays
+    of the plain loops (helpers.plan_segments_loops) on random chunks: fresh prompts,
+    continuations, single tokens, chunks that start and end inside windows; without
+    subpages, the same less the subpages' three arrays."""
     from helpers import plan_segments_loops
 
-    from vllm_pq_backend.metadata import _segments
+    from vllm_pq_backend.plans import _segments, _window_writes
 
     rng = np.random.default_rng(window)
     for _ in range(30):
@@ -615,22 +706,21 @@ def test_segment_plan_matches_the_plain_loops(window):
         starts = np.concatenate([[0], np.cumsum(q_lens)])
         rows = rng.permutation(64)[:n]
         args = (starts, q_lens, lens, rows, window)
-        got, want = _segments(*args), plan_segments_loops(*args)
-        for g, w in zip(got, want):
-            assert g.keys() == w.keys()
-            for k in w:
-                assert np.array_equal(np.asarray(g[k]), np.asarray(w[k])), k
-        i32, i64 = _segments(*args, subpages=False)
-        assert i32.keys() == got[0].keys()
-        assert i64.keys() == got[1].keys() - {"seg_req", "seg_col", "fp_at"}
-        for k in i64:
-            assert np.array_equal(i64[k], got[1][k]), k
+        got = {**_segments(*args), **_window_writes(*args)}
+        want = {k: v for d in plan_segments_loops(*args) for k, v in d.items()}
+        assert got.keys() == want.keys()
+        for k in want:
+            assert np.array_equal(got[k], np.asarray(want[k])), k
+        no_subpages = _segments(*args, subpages=False)
+        assert no_subpages.keys() == _segments(*args).keys() - {"seg_req", "seg_col", "fp_at"}
+        for k in no_subpages:
+            assert np.array_equal(no_subpages[k], got[k]), k
 
 
 def test_upload_sends_every_array_whole_and_aligned():
-    """metadata.upload: one buffer, each array with its values, dtype and shape (empty ones
+    """plans.upload: one buffer, each array with its values, dtype and shape (empty ones
     too), each starting 16-byte aligned within it."""
-    from vllm_pq_backend.metadata import upload
+    from vllm_pq_backend.plans import upload
 
     arrays = [np.arange(3, dtype=np.int32), np.zeros(0, dtype=np.int64),
               np.arange(6, dtype=np.int64).reshape(2, 3) - 7, np.array([5], dtype=np.int32)]

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from vllm_pq_backend import codebooks, reference
+from vllm_pq_backend import codebooks, plans, reference
 from vllm_pq_backend.layout import NAN_CODE, PageLayout
 
 GPU = torch.cuda.is_available()
@@ -23,6 +23,17 @@ def ca():
     from vllm_pq_backend import codes_attention
 
     return codes_attention
+
+
+@pytest.fixture(scope="module")
+def pages_ops():
+    """dequant_pages and own_subpages: the CUDA ops on a GPU, their fallbacks without."""
+    from vllm_pq_backend import cuda_ops, fallback
+
+    if GPU:
+        assert cuda_ops.available(), "the CUDA extension is not built"
+        return cuda_ops
+    return fallback
 
 
 def make_case(chunks, *, d, mk, mv, g, hkv, block, dtype, seed):
@@ -152,11 +163,11 @@ def test_kernel_compiles_for_hopper():
     assert res.stdout.count("compiled") == 12, res.stdout
 
 
-def test_first_occurrence(ca):
+def test_first_occurrence():
     gen = torch.Generator().manual_seed(3)
     for n in (0, 1, 7, 300):
         ids = torch.randint(0, max(1, n // 3), (n,), generator=gen, dtype=torch.int32)
-        first = ca.first_occurrence(ids.to(DEV)).cpu()
+        first = plans.first_occurrence(ids.to(DEV)).cpu()
         want = [ids.tolist().index(x) for x in ids.tolist()]
         assert first.tolist() == want
 
@@ -164,7 +175,7 @@ def test_first_occurrence(ca):
 @pytest.mark.parametrize("d,mk,mv,block", [(64, 32, 16, 32), (128, 64, 64, 96), (128, 32, 64, 64),
                                            (256, 128, 64, 32)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_dequant_pages_matches_reference(ca, d, mk, mv, block, dtype):
+def test_dequant_pages_matches_reference(pages_ops, d, mk, mv, block, dtype):
     """Every entry, duplicates included (three requests sharing a cached prefix), equals
     reference.dequant_pages bit for bit through the entry ``first`` names, which holds
     the same block id; a NaN-marked code stays NaN. Without ``first`` every entry is
@@ -181,29 +192,34 @@ def test_dequant_pages_matches_reference(ca, d, mk, mv, block, dtype):
     ids = torch.tensor([prefix + [4, 0], prefix + [7, 7], prefix + [11, 3]], dtype=torch.int32)
     want_k, want_v = reference.dequant_pages(cache, ids.flatten(), k_cb, v_cb, lay)
     assert want_v.isnan().any()
-    args = (cache.to(DEV), ids.flatten().to(DEV), k_cb.to(DEV), v_cb.to(DEV), lay)
-    first = ca.first_occurrence(args[1])
-    k, v = (x.cpu() for x in ca.dequant_pages(*args, first=first))
+    cache_d, ids_d, k_cb_d, v_cb_d = (x.to(DEV) for x in (cache, ids.flatten(), k_cb, v_cb))
+
+    def dequant(block_ids, first=None):
+        return (x.cpu() for x in pages_ops.dequant_pages(cache_d, block_ids, first, k_cb_d, v_cb_d,
+                                                          0, lay))
+
+    first = plans.first_occurrence(ids_d)
+    k, v = dequant(ids_d, first)
     first, flat = first.cpu(), ids.flatten()
     assert torch.equal(flat[first], flat) and (first <= torch.arange(flat.numel())).all()
     assert first.unique().numel() == flat.unique().numel()
     same = dict(rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(k[first], want_k, **same)
     torch.testing.assert_close(v[first], want_v, **same)
-    k, v = (x.cpu() for x in ca.dequant_pages(*args))
+    k, v = dequant(ids_d)
     torch.testing.assert_close(k, want_k, **same)
     torch.testing.assert_close(v, want_v, **same)
     # one page per request: the plan's ids are a strided view of the block table's column
-    col = args[1].view(3, -1)[:, :1].flatten()
+    col = ids_d.view(3, -1)[:, :1].flatten()
     assert not col.is_contiguous()
-    k, v = (x.cpu() for x in ca.dequant_pages(cache.to(DEV), col, *args[2:]))
+    k, v = dequant(col)
     torch.testing.assert_close(k, want_k.view(3, -1, *k.shape[1:])[:, 0], **same)
     torch.testing.assert_close(v, want_v.view(3, -1, *v.shape[1:])[:, 0], **same)
 
 
 @pytest.mark.parametrize("hkv,d", [(3, 64), (8, 128), (2, 256)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_own_subpages_copies_keys_and_zeros_the_rest(ca, hkv, d, dtype):
+def test_own_subpages_copies_keys_and_zeros_the_rest(pages_ops, hkv, d, dtype):
     """The segments' own subpages (ops._segment_pages): row ``first + i`` holds row
     ``at[i]`` of the keys and values (rows of a wider tensor, as vLLM's K/V views of its
     qkv output are), zeros where ``at[i] < 0``, even over NaN garbage; the rows before
@@ -217,7 +233,7 @@ def test_own_subpages_copies_keys_and_zeros_the_rest(ca, hkv, d, dtype):
     k = torch.full((first + n, hkv, d), float("nan"), dtype=dtype)
     v = k.clone()
     got_k, got_v = k.to(DEV), v.to(DEV)
-    ca.own_subpages(got_k, got_v, first, keys.to(DEV), values.to(DEV), at.to(DEV))
+    pages_ops.own_subpages(got_k, got_v, first, keys.to(DEV), values.to(DEV), at.to(DEV))
     want_k, want_v = k.clone(), v.clone()
     for i, j in enumerate(at.tolist()):
         want_k[first + i] = keys[j] if j >= 0 else 0

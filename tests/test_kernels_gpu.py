@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_pq_backend import codebooks, nearest, ops, reference
+from vllm_pq_backend import codebooks, cuda_ops, nearest, plans, reference
 from vllm_pq_backend.layout import HEAD_DIMS, NAN_CODE, PageLayout, supported_m
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -21,7 +21,7 @@ TOL = {torch.bfloat16: 1.5e-2, torch.float16: 4e-3}  # P and centroids in 16-bit
 
 @pytest.fixture(scope="module", autouse=True)
 def kernels_built():
-    assert ops.kernels_available(), "the CUDA extension is not built (pip install --no-build-isolation -e .)"
+    assert cuda_ops.available(), "the CUDA extension is not built (pip install --no-build-isolation -e .)"
 
 
 def codebook(heads, m, ds, dtype, gen):
@@ -221,7 +221,7 @@ def test_decode_ctas_take_items_in_turn(ctas, d, g, lut):
     want = run_kernel(c, splits=3)
     got = run_kernel(c, splits=3, ctas=ctas)
     assert torch.equal(got[:-1], want[:-1])
-    order = torch.from_numpy(ops.decode_order(c["seq"].cpu().numpy())).to(DEV)
+    order = torch.from_numpy(plans.decode_order(c["seq"].cpu().numpy())).to(DEV)
     assert order.tolist() == [7, 6, 5, 4, 3, 2, 1, 0, 8]  # MIXED grows; the padding last
     assert torch.equal(run_kernel(c, splits=3, ctas=ctas, order=order)[:-1], want[:-1])
     shuffled = torch.randperm(len(MIXED) + 1, generator=torch.Generator().manual_seed(ctas))
@@ -377,7 +377,7 @@ def test_decode_replays_in_a_cuda_graph():
         torch.ops.pq_backend.decode(*args())
     for lens in ([4000, 3000, 77], [129, 2, 3999]):
         c["seq"].copy_(torch.tensor(lens, dtype=torch.int32))
-        order[:3].copy_(torch.from_numpy(ops.decode_order(np.array(lens, dtype=np.int32))))
+        order[:3].copy_(torch.from_numpy(plans.decode_order(np.array(lens, dtype=np.int32))))
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
@@ -504,9 +504,9 @@ def test_an_error_message_with_numbers_raises_as_the_first_call_of_a_process():
     the bad call is the first op of a process of its own."""
     code = textwrap.dedent("""
         import torch
-        from vllm_pq_backend import ops
+        from vllm_pq_backend import cuda_ops
         from vllm_pq_backend.layout import PageLayout
-        assert ops.kernels_available()
+        assert cuda_ops.available()
         lay = PageLayout(64, 32, 32)
         cache = torch.zeros(4, 2, 64, lay.state_bytes, dtype=torch.uint8, device="cuda")
         key = torch.zeros(8, 2, 64, dtype=torch.bfloat16, device="cuda")

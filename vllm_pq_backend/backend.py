@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from dataclasses import replace
 from typing import ClassVar
 
@@ -10,51 +9,13 @@ import torch
 from vllm.v1.attention.backend import AttentionBackend, AttentionType, MultipleOf
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
-from . import codebooks
-from .config import DEFAULT_BLOCK_SIZE, pq_config_of
+from .config import DEFAULT_BLOCK_SIZE
+from .engine_config import EngineConfig
+from .impl import PQAttentionImpl
 from .layout import BLOCK_ALIGN, PageLayout
+from .metadata import PQMetadataBuilder
 
 SUPPORTED_HEAD_SIZES = (64, 128, 256)
-
-
-def engine_config():
-    """The vLLM config of the engine that is asking.
-
-    vLLM makes it current while it builds the layers, but asks for the page size
-    (customize_spec, from the model runner's get_kv_cache_spec) outside that context.
-    There it is the caller's: a ``vllm_config`` argument or the runner's
-    ``self.vllm_config``. Read from the stack rather than remembered from an earlier call,
-    so that two engines in one process never see each other's configuration."""
-    from vllm.config import VllmConfig, get_current_vllm_config_or_none
-
-    vc = get_current_vllm_config_or_none()
-    frame = sys._getframe(1)
-    while vc is None and frame is not None:
-        loc = frame.f_locals
-        for cand in (loc.get("vllm_config"), getattr(loc.get("self"), "vllm_config", None)):
-            if isinstance(cand, VllmConfig):
-                vc = cand
-                break
-        frame = frame.f_back
-    if vc is None:
-        raise RuntimeError(
-            "vllm_pq_backend: no vLLM config is current and no caller holds one; the "
-            "backend's page size depends on the engine's codebooks"
-        )
-    return vc
-
-
-def configured_m(head_size: int, vllm_config=None) -> tuple[int, int]:
-    """(Mk, Mv) of the codebooks the engine loads: the file is the authority, and a
-    configured m / m_v must match it."""
-    cfg = pq_config_of(vllm_config or engine_config())
-    info = codebooks.read_info(cfg.codebook_file(head_size))
-    if (cfg.m, cfg.m_v) not in ((None, None), (info.m_k, info.m_v)):
-        raise codebooks.CodebookError(
-            f"PQ codebooks {info.path} have Mk={info.m_k}, Mv={info.m_v}; configuration "
-            f"asks for Mk={cfg.m}, Mv={cfg.m_v}. " + codebooks.calibrate_hint(m=cfg.m, m_v=cfg.m_v)
-        )
-    return info.m_k, info.m_v
 
 
 class PQAttentionBackend(AttentionBackend):
@@ -72,14 +33,10 @@ class PQAttentionBackend(AttentionBackend):
 
     @staticmethod
     def get_impl_cls():
-        from .impl import PQAttentionImpl
-
         return PQAttentionImpl
 
     @staticmethod
     def get_builder_cls():
-        from .metadata import PQMetadataBuilder
-
         return PQMetadataBuilder
 
     @classmethod
@@ -117,11 +74,11 @@ class PQAttentionBackend(AttentionBackend):
         """A page holds only codes: Mk + Mv bytes per token and KV head."""
         if spec.state_content_bytes is not None:
             return spec
-        m_k, m_v = configured_m(spec.head_size)
+        cfg = EngineConfig.of_caller()  # vLLM asks outside its config context
         return replace(
             spec,
             dtype=torch.uint8,
-            state_content_bytes=PageLayout(spec.block_size, m_k, m_v).state_bytes,
+            state_content_bytes=PageLayout(spec.block_size, cfg.m_k, cfg.m_v).state_bytes,
         )
 
     @classmethod

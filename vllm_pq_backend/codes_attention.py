@@ -1,6 +1,6 @@
 """Attention of multi-token queries over keys read straight from the PQ pages (Triton).
 
-Prefill's codes part (ops.prefill): each query row at position ``i`` of a request reads
+Prefill's codes part (plans.CodesPlan): each query row at position ``i`` of a request reads
 the request's keys ``j < layout.window_start(i)`` (and ``j > i - sliding_window`` on
 sliding-window layers) through their codes. Where few query rows meet a long history
 (prefix-cache hits, small chunks next to decodes, later chunks of a long prompt) this
@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from . import kernels, reference
 from .layout import NAN_CODE, NUM_CENTROIDS, PageLayout
 
 BLOCK_N = 32  # keys per step; divides every block size (layout.BLOCK_ALIGN)
@@ -166,7 +165,7 @@ def num_splits(tiles: int, kv_heads: int, keys: int, num_sms: int) -> int:
 
 
 class CodesShape(NamedTuple):
-    """What a plan depends on besides the requests (metadata.PQMetadataBuilder's)."""
+    """What the tiles depend on besides the requests (metadata.PQMetadataBuilder's)."""
 
     group: int  # query heads per KV head
     head_dim: int
@@ -175,10 +174,12 @@ class CodesShape(NamedTuple):
 
 
 @dataclass
-class CodesPlan:
-    """One prefill group's codes part on this kernel (metadata.plan_prefill). The tile
-    arrays are int32, numpy as planned and device tensors once the step's plans are sent
-    (metadata.upload)."""
+class CodesTiles:
+    """One prefill group's codes part on this kernel (plans.CodesPlan). The tile arrays
+    are int32, numpy as planned and device tensors once the step's plans are sent
+    (plans.upload)."""
+
+    ARRAYS: ClassVar[tuple[str, ...]] = ("tile_req", "tile_row", "tile_rows", "tile_pos")
 
     splits: int
     max_keys: int
@@ -195,16 +196,16 @@ class CodesPlan:
 
 # Query rows per key of history below which this kernel is used instead of dequantizing
 # the group's pages for FlashAttention. Bandwidth and FLOP arithmetic put the break-even
-# near 120; measured on an H200 (eval/results/prefill_break_even/), 128 new rows after
-# 8K / 32K cached keys took 2.1-2.4x longer here than dequantizing, so the kernel is kept
-# for fewer rows (speculative verification, small chunks): below 32 (not yet timed).
+# near 120, but on an H200 128 new rows after 8K / 32K cached keys took 2.1-2.4x longer
+# here than dequantizing, so the kernel is kept for fewer rows (speculative verification,
+# small chunks): below 32, a bound not timed on its own.
 BREAK_EVEN_ROWS = 32
 
 SPLIT_BYTES = 256 << 20  # at most this much fp32 split output per call (codes_attention)
 
 
 def plan(runs: list[tuple[int, int, int, int]], group: int, head_dim: int, kv_heads: int,
-         num_sms: int, num_requests: int, max_len: int) -> CodesPlan | None:
+         num_sms: int, num_requests: int, max_len: int) -> CodesTiles | None:
     """The kernel's tiles for ``runs`` of query rows (request, first row, rows, position of
     the first row) of a group of ``num_requests`` whose longest is ``max_len`` tokens, or
     None where FlashAttention over the group's dequantized pages costs less: there the
@@ -217,7 +218,7 @@ def plan(runs: list[tuple[int, int, int, int]], group: int, head_dim: int, kv_he
         return None
     tiles = plan_tiles(*zip(*runs), group, head_dim)
     max_keys = max(p + n for _, _, n, p in runs)
-    return CodesPlan(num_splits(len(tiles[0]), kv_heads, max_keys, num_sms), max_keys, *tiles)
+    return CodesTiles(num_splits(len(tiles[0]), kv_heads, max_keys, num_sms), max_keys, *tiles)
 
 
 def codes_attention(q, kv_cache, block_table, k_cb, v_cb, layout: PageLayout, tiles,
@@ -275,66 +276,10 @@ def merge_splits(o: torch.Tensor, lse: torch.Tensor):
     return out, total
 
 
-# The other path of prefill's codes part: the group's pages dequantized to 16 bits for
-# FlashAttention, in its paged layout [pages, B, Hkv, D], by one C++ op (csrc/pq_pages.cu:
-# one pass over the codes, one write of the result). Launched from C++ because the Triton
-# launch it replaced cost 116 us of host time a layer (eval/results/steps.json; 38 us now,
-# steps_a5a1333.json). Pages that an earlier entry of the same group already holds
-# (requests sharing a cached prefix) are skipped: their table entries point at that one
-# (metadata.plan_prefill).
-
-
-def first_occurrence(ids: torch.Tensor) -> torch.Tensor:
-    """For each entry of ``ids`` the index of the first entry with the same value (int64,
-    on the device, with no host synchronisation: sizes do not depend on the values)."""
-    n = ids.numel()
-    if n == 0:
-        return torch.empty(0, dtype=torch.long, device=ids.device)
-    sorted_ids, order = torch.sort(ids.long(), stable=True)
-    start = torch.ones(n, dtype=torch.bool, device=ids.device)
-    start[1:] = sorted_ids[1:] != sorted_ids[:-1]
-    pos = torch.arange(n, device=ids.device)
-    head = torch.where(start, pos, 0).cummax(0).values  # sorted position of the run's start
-    first = torch.empty_like(order)
-    first[order] = order[head]  # stable sort: a run starts with its smallest index
-    return first
-
-
-def dequant_pages(kv_cache, block_ids, k_cb, v_cb, layout: PageLayout, first=None,
-                  extra_tokens: int = 0):
-    """``(k, v)``: the pages ``block_ids`` dequantized to ``k_cb``'s dtype in FlashAttention's
-    paged layout ``[pages, B, Hkv, D]``. With ``first`` (first_occurrence of the block ids)
-    only the first entry of each block id is written, the others are left as they are;
-    pages for ``extra_tokens`` more tokens follow them, unwritten."""
-    b = layout.block_size
-    if k_cb.is_cuda and kernels.load() is not None:  # one C++ op: its host time is a fraction
-        return torch.ops.pq_backend.dequant_pages(
-            kv_cache, block_ids.reshape(-1), first, k_cb, v_cb, -(-extra_tokens // b),
-            *layout.kernel_args())
-    # Without the CUDA extension (the reference path on a GPU): every entry written
-    k, v = reference.dequant_pages(kv_cache, block_ids.reshape(-1), k_cb, v_cb, layout)
-    extra = k.new_empty((-(-extra_tokens // b), *k.shape[1:]))
-    return torch.cat([k, extra]), torch.cat([v, extra])
-
-
-def own_subpages(k, v, first: int, keys, values, at) -> None:
-    """Rows ``first + i`` of ``k`` / ``v`` (contiguous ``[*, Hkv, D]``): row ``at[i]`` of
-    ``keys`` / ``values`` (``[n, Hkv, D]``, any row stride), zeros where ``at[i] < 0``."""
-    n = at.numel()
-    hkv, d = k.shape[-2], k.shape[-1]
-    if k.is_cuda and kernels.load() is not None:
-        torch.ops.pq_backend.own_subpages(k.view(-1, hkv, d), v.view(-1, hkv, d), first, keys,
-                                          values, at)
-        return
-    live, src = (at >= 0)[:, None, None], at.clamp(min=0)
-    for out, rows in ((k, keys), (v, values)):
-        out.view(-1, hkv, d)[first : first + n] = torch.where(live, rows[src], 0)
-
-
 # Prefill with a window merges two partial results per codes-reading row: the segment's
 # full-precision part (already in the output) and the codes part. One program per (row,
 # block of heads) reads both once and writes the row in place (in PyTorch the same merge
-# took a gather, five fp32 passes and a scatter over [rows, Hq, D]).
+# takes a gather, five fp32 passes and a scatter over [rows, Hq, D]).
 MERGE_HEADS = 8  # query heads per merging program
 
 

@@ -1,4 +1,4 @@
-"""How a user points the backend at its codebooks and picks M and the window.
+"""What the user asks for: the codebook file, its subspaces per head and the window.
 
 Precedence, highest first:
   1. ``--additional-config '{"pq": {"codebooks": PATH, "m": 32, "m_v": 16, "window": 128,
@@ -10,9 +10,10 @@ Precedence, highest first:
      ``<model dir>/pq/codebooks_m<M>[_v<Mv>].safetensors`` (where
      ``vllm_pq_backend.calibrate`` writes them), window = 128 tokens when the block size
      allows it, window_memory = 0.1 (the window store may take at most this share of
-     the memory vLLM has for the KV cache; see impl.window_rows).
+     the memory vLLM has for the KV cache; see EngineConfig.window_rows).
 ``m`` is the K subspaces per head (and V's unless ``m_v`` is given); the codebook file is
-the authority, these only select the default file and are checked against it.
+the authority, these only select the default file and are checked against it
+(engine_config.EngineConfig resolves them once per engine).
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ def default_codebook_path(model_dir: str, m_k: int, m_v: int | None = None) -> s
 @dataclass(frozen=True)
 class PQConfig:
     codebooks: str
-    m: int | None  # K subspaces per head; None: take it from the codebook file
-    m_v: int | None  # V subspaces per head; None: m when m is given, else the file's
+    m_k: int | None  # K subspaces per head (the key "m"); None: the codebook file's
+    m_v: int | None  # V subspaces per head; None: m_k when m_k is given, else the file's
     window: int | None  # None: the default for the block size
     window_memory: float = DEFAULT_WINDOW_MEMORY  # share of the KV memory (impl.window_rows)
 
@@ -87,13 +88,13 @@ class PQConfig:
         share = float(user.get("window_memory", DEFAULT_WINDOW_MEMORY))
         if not 0 < share <= 1:
             raise ValueError(f"pq window_memory must be in (0, 1], got {share}")
-        return PQConfig(codebooks=path, m=m, m_v=m_v if m_v is not None else m, window=window,
-                        window_memory=share)
+        return PQConfig(codebooks=path, m_k=m, m_v=m_v if m_v is not None else m,
+                        window=window, window_memory=share)
 
     def codebook_file(self, head_dim: int) -> str:
         if os.path.isdir(self.codebooks):
-            m = self.m or head_dim // 2
-            return default_codebook_path(self.codebooks, m, self.m_v or m)
+            m_k = self.m_k or head_dim // 2
+            return default_codebook_path(self.codebooks, m_k, self.m_v or m_k)
         return self.codebooks
 
     def resolve_window(self, block_size: int) -> int:
@@ -111,8 +112,3 @@ class PQConfig:
             )
         return w
 
-
-def pq_config_of(vc) -> PQConfig:
-    """The PQConfig of a vLLM config."""
-    model = vc.model_config.model if vc.model_config is not None else None
-    return PQConfig.from_sources(vc.additional_config, model)

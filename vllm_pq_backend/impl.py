@@ -7,109 +7,83 @@ from vllm import envs
 from vllm.logger import init_logger
 from vllm.v1.attention.backend import AttentionImpl, AttentionLayer, AttentionType
 
-from . import codebooks, kernels, nearest, ops, reference
-from .backend import configured_m
-from .config import PQConfig, pq_config_of
+from . import codebooks, cuda_ops, fallback, kernels, nearest, ops, plans
+from .engine_config import EngineConfig
 from .layout import PageLayout
-from .metadata import PQMetadata, prefill_page_tokens
+from .metadata import PQMetadata
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler, see __init__
 
 
 class LayerState:
-    """One layer's codebooks, maps and window store, on the layer's device."""
+    """One layer's codebooks, maps, window store and ops, on the layer's device."""
 
     def __init__(self, layer_index: int, impl: PQAttentionImpl, device, dtype):
-        info = impl.codebook_info
+        cfg = impl.cfg
+        on_gpu = torch.device(device).type == "cuda"
+        # the CUDA kernels where they run, else their PyTorch fallbacks
+        self.kernels = on_gpu and cuda_ops.available()
+        self.ops = cuda_ops if self.kernels else fallback
+        info = cfg.codebooks
         start = impl.kv_head_offset(info.num_kv_heads)
-        k32, v32 = codebooks.load_layer(
-            info, layer_index, slice(start, start + impl.num_kv_heads)
-        )
+        heads = slice(start, start + impl.num_kv_heads)
+        k32, v32 = codebooks.load_layer(info, layer_index, heads)
         # encode: fp32; NaN marker centroid for non-finite K/V (layout.NAN_CODE)
         self.k_cb32 = codebooks.nan_marked(k32).to(device)
         self.v_cb32 = codebooks.nan_marked(v32).to(device)
         self.k_cb, self.v_cb = self.k_cb32.to(dtype), self.v_cb32.to(dtype)  # attend
         # the decode kernel's shared-memory image of both (csrc/pq_decode.cuh), built once
-        self.books = (torch.ops.pq_backend.decode_books(self.k_cb, self.v_cb) if ops.use_kernels(self.k_cb)
+        self.books = (cuda_ops.decode_books(self.k_cb, self.v_cb) if self.kernels
                       else self.k_cb.new_empty(0, dtype=torch.uint8))
         # the store kernel's cells of 2-D subspaces (nearest.py; empty: the full search)
-        on_gpu = torch.device(device).type == "cuda"
         self.k_grid, self.v_grid = (nearest.build(cb) if on_gpu else cb.new_empty(0, dtype=torch.uint8)
                                     for cb in (self.k_cb32, self.v_cb32))
         if on_gpu and not torch.cuda.is_current_stream_capturing():
             # The builds run in vLLM's profiling pass, whose allocator setting
             # (max_split_size_mb=20) gives each of their hundreds of 1-10 MiB temporaries a
-            # fresh 20 MiB segment that no smaller request reuses: about 9 GiB more reserved
-            # per build until the GPU is full (eval/results/startup_memory_a4b2020/).
+            # fresh 20 MiB segment that no smaller request reuses: without this, about 9 GiB
+            # more stays reserved per build, until the GPU is full.
             torch.cuda.empty_cache()
         # The codebooks' linear maps (codebooks.py): keys k T_k, queries q T_k^-T (q.k is
         # unchanged), values v T_v and outputs o T_v^-1. Everything after them (store,
         # window, kernels, prefill) works in the mapped frame. fp32: a bf16 map would
         # perturb q.k by more than bf16 rounding of q and k does.
-        tk, tv = codebooks.load_transforms(info, layer_index, slice(start, start + impl.num_kv_heads))
-        self.maps = {
+        tk, tv = codebooks.load_transforms(info, layer_index, heads)
+        maps = {
             "key": tk, "query": None if tk is None else torch.linalg.inv(tk.double()).mT.float(),
             "value": tv, "output": None if tv is None else torch.linalg.inv(tv.double()).float(),
         }
         # the map kernel multiplies in the activation dtype (T split in two parts, pq_map.cu)
-        big = max((t.abs().max().item() for t in self.maps.values() if t is not None), default=0.0)
+        big = max((t.abs().max().item() for t in maps.values() if t is not None), default=0.0)
         if big > torch.finfo(dtype).max:
             raise ValueError(f"layer {layer_index}: the codebooks' maps reach {big:.3g}, beyond "
                              f"{dtype}'s range; run the model in bfloat16 or recalibrate.")
         # contiguous: linalg.inv returns column-major matrices, the map kernel reads rows
-        self.maps = {k: None if t is None else t.to(device).contiguous()
-                     for k, t in self.maps.items()}
-        self.layout = PageLayout(impl.block_size, info.m_k, info.m_v)
-        self.window = impl.window
+        self.maps = {k: None if t is None else t.to(device).contiguous() for k, t in maps.items()}
+        self.layout = PageLayout(cfg.block_size, cfg.m_k, cfg.m_v)
+        self.window = cfg.window
         self.sliding_window = impl.sliding_window
         self.win_k = self.win_v = None
         if self.window > 0:
-            rows = window_rows(impl, device, dtype) + 1  # + the scratch row (metadata.py)
+            rows = cfg.window_rows(impl.num_kv_heads, dtype, device) + 1  # + the scratch row
             shape = (rows, impl.num_kv_heads, self.window, impl.head_size)
             self.win_k = torch.zeros(shape, dtype=dtype, device=device)
             self.win_v = torch.zeros(shape, dtype=dtype, device=device)
-        self.hq, self.d, self.device = impl.num_heads, impl.head_size, device
+        self.d = impl.head_size
         # FlashAttention's version for prefill, chosen once: vLLM's choice walks the platform and
         # config each call, a host cost every layer of every step that carries a prompt
         self.fa_version = ops.flash_attn_version(device, impl.head_size)
         # The profiling run's peak must include a prefill group's transient pages and the
         # decode kernel's split results (which the metadata builder allocates after vLLM
         # sized the KV cache), so that vLLM leaves room for them.
-        pages = prefill_page_tokens(impl.max_model_len, impl.block_size)
-        self.prefill_scratch = ops.prefill_scratch_bytes(pages, impl.num_kv_heads, self.d,
-                                                         self.layout, self.window,
-                                                         envs.VLLM_BATCH_INVARIANT)
-        self.decode_workspace = 4 * (self.d + 1) * ops.workspace_slots(
-            ops.decode_rows(impl._vllm_config), impl.num_heads, impl.num_kv_heads,
-            ops.num_sms(device))
-        if torch.device(device).type == "cuda":  # freed at once: the peak counts
+        pages = plans.prefill_page_tokens(cfg.max_model_len, cfg.block_size)
+        self.prefill_scratch = plans.prefill_scratch_bytes(
+            pages, impl.num_kv_heads, self.d, self.layout, self.window, envs.VLLM_BATCH_INVARIANT)
+        self.decode_workspace = 4 * (self.d + 1) * plans.workspace_slots(
+            cfg.max_decode_rows, impl.num_heads, impl.num_kv_heads, plans.num_sms(device))
+        if on_gpu:  # freed at once: the peak counts
             torch.empty(self.prefill_scratch + self.decode_workspace, dtype=torch.uint8,
                         device=device)
-
-    def map(self, *items: tuple[str, torch.Tensor], inplace: bool = False) -> list[torch.Tensor]:
-        """Each ``(which, x [n, heads, d])`` through the codebooks' ``which`` map (identity
-        if none; query and output rows use their KV head's map). On CUDA one kernel launch
-        for all of them, whose fp32 sums run in a fixed order, so that a token's result
-        does not depend on the rest of the batch (csrc/pq_map.cu); reference.map_rows
-        elsewhere. ``inplace`` writes the results into the ``x``s."""
-        out = [x for _, x in items]
-        todo = [i for i, (which, _) in enumerate(items) if self.maps[which] is not None]
-        if not todo:
-            return out
-        xs = [items[i][1] for i in todo]
-        ts = [self.maps[items[i][0]] for i in todo]
-        if ops.use_kernels(xs[0]):
-            ys = xs if inplace else [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in xs]
-            torch.ops.pq_backend.map(ys, xs, ts)
-        else:
-            ys = [reference.map_rows(t, x) for t, x in zip(ts, xs)]
-            if inplace:
-                for x, y in zip(xs, ys):
-                    x.copy_(y)
-                ys = xs
-        for i, y in zip(todo, ys):
-            out[i] = y
-        return out
 
 
 class PQAttentionImpl(AttentionImpl[PQMetadata]):
@@ -160,17 +134,7 @@ class PQAttentionImpl(AttentionImpl[PQMetadata]):
                 f"KV cache (ngram, ngram_gpu, suffix, medusa, mlp_speculator), not "
                 f"{spec.method!r}: its draft layers would need PQ codebooks of their own."
             )
-        self.cfg: PQConfig = pq_config_of(vc)
-        self.codebook_info = codebooks.read_info(self.cfg.codebook_file(head_size))
-        codebooks.validate(
-            self.codebook_info, vc.model_config.hf_config, self.cfg.m, self.cfg.m_v,
-            vc.model_config.model,
-        )
-        configured_m(head_size, vc)  # the configured M matches the file (else a clear error)
-        # vLLM settles the block size after the model is built: read it when first used.
-        self._cache_config = vc.cache_config
-        self._vllm_config = vc
-        self.max_model_len = vc.model_config.max_model_len
+        self.cfg = EngineConfig.of(vc)  # the codebooks checked against the model here
         self.tp_rank, self.tp_size = _tp_rank_size()
         self._state: LayerState | None = None
 
@@ -181,15 +145,15 @@ class PQAttentionImpl(AttentionImpl[PQMetadata]):
         return self.tp_rank * total_kv_heads // self.tp_size
 
     def state(self, layer: AttentionLayer, like: torch.Tensor) -> LayerState:
+        """The layer's state, built on first use: by then vLLM has settled the block size."""
         if self._state is None:
             from vllm.model_executor.models.utils import extract_layer_index
 
             index = extract_layer_index(layer.layer_name)
-            self.block_size = self._cache_config.block_size
-            self.window = self.cfg.resolve_window(self.block_size)
-            if self.sliding_window and self.window >= self.sliding_window:
+            window = self.cfg.window
+            if self.sliding_window and window >= self.sliding_window:
                 raise ValueError(
-                    f"pq window {self.window} must be smaller than this model's sliding "
+                    f"pq window {window} must be smaller than this model's sliding "
                     f"window {self.sliding_window}; set e.g. --additional-config "
                     f"'{{\"pq\": {{\"window\": {min(128, self.sliding_window // 2)}}}}}'."
                 )
@@ -218,7 +182,7 @@ class PQAttentionImpl(AttentionImpl[PQMetadata]):
             return output.zero_()
         n = md.num_actual_tokens
         out = output[:n]
-        q, k, v = st.map(("query", query[:n]), ("key", key[:n]), ("value", value[:n]))
+        q, k, v = ops.apply_maps(st, ("query", query[:n]), ("key", key[:n]), ("value", value[:n]))
         # The step's codes first: a prefill chunk's codes part reads its own tokens' codes.
         # vLLM pads the slot mapping to the CUDA-graph size with -1 (stored nowhere); the
         # store takes the n rows of the step's own tokens.
@@ -228,40 +192,8 @@ class PQAttentionImpl(AttentionImpl[PQMetadata]):
             ops.decode(out, q, k, v, kv_cache, md, st, self.scale)
         if md.num_prefills:
             ops.prefill(out, q, k, v, kv_cache, md, st, self.scale)
-        st.map(("output", out.view(n, self.num_heads, self.head_size)), inplace=True)
+        ops.apply_maps(st, ("output", out.view(n, self.num_heads, self.head_size)), inplace=True)
         return output
-
-
-def window_bytes_per_seq(impl: PQAttentionImpl, dtype) -> int:
-    """Window store bytes of one running sequence, all layers."""
-    esz = torch.tensor([], dtype=dtype).element_size()
-    return (2 * impl.num_kv_heads * impl.window * impl.head_size * esz
-            * impl.codebook_info.num_layers)
-
-
-def window_rows(impl: PQAttentionImpl, device, dtype) -> int:
-    """Running sequences the window store has rows for: vLLM's admission limit (the
-    scheduler's ``max_num_active_seqs``, else ``max_num_seqs``), lowered on first use so
-    that the store takes at most ``window_memory`` of the memory vLLM has left for the KV
-    cache, and then written back as ``max_num_active_seqs`` so that the scheduler, which
-    this engine builds after the model, admits no more (metadata.WindowRows gives each
-    running request's slot one of these). The user's ``--max-num-active-seqs`` wins. With
-    several workers the scheduler lives in another process: no lowering there."""
-    sched = impl._vllm_config.scheduler_config
-    if sched.max_num_active_seqs is not None:  # the user's choice, or this engine's first layer's
-        return sched.max_num_active_seqs
-    cap = sched.max_num_seqs
-    if torch.device(device).type != "cuda" or impl._vllm_config.parallel_config.world_size > 1:
-        return cap
-    cache = impl._vllm_config.cache_config
-    if cache.kv_cache_memory_bytes:  # the user sized the KV cache: vLLM skips its profile
-        budget = cache.kv_cache_memory_bytes
-    else:  # what is left of this engine's share: memory in use (any process's) is spent
-        free, total = torch.cuda.mem_get_info(device)
-        budget = cache.gpu_memory_utilization * total - (total - free)
-    rows = max(1, min(cap, int(impl.cfg.window_memory * budget) // window_bytes_per_seq(impl, dtype)))
-    sched.max_num_active_seqs = rows
-    return rows
 
 
 def _tp_rank_size() -> tuple[int, int]:
@@ -277,22 +209,22 @@ def _tp_rank_size() -> tuple[int, int]:
 
 
 def _log_memory(impl: PQAttentionImpl, st: LayerState) -> None:
-    layers = impl.codebook_info.num_layers
+    cfg = impl.cfg
+    layers = cfg.codebooks.num_layers
     esz = st.k_cb.element_size()  # the model's activation dtype: what a dense cache holds
     per_token = impl.num_kv_heads * st.layout.state_bytes * layers
     dense = 2 * impl.num_kv_heads * impl.head_size * esz * layers
     books = (2 * st.k_cb32.numel() * (4 + esz) + st.k_grid.numel() + st.v_grid.numel()
              + st.books.numel()) * layers
     if st.window > 0:
-        sched = impl._vllm_config.scheduler_config
         rows = st.win_k.shape[0] - 1
-        win_seq = window_bytes_per_seq(impl, st.k_cb.dtype)
+        win_seq = cfg.window_bytes_per_seq(impl.num_kv_heads, st.k_cb.dtype)
         window = (
             f"Window: {win_seq / 2**20:.2f} MiB per running sequence, "
             f"{rows * win_seq / 2**30:.2f} GiB for {rows} running sequences"
-            + (f" (at most {impl.cfg.window_memory:g} of the KV memory: vLLM now admits "
-               f"{rows} of max_num_seqs={sched.max_num_seqs}; --max-num-active-seqs N "
-               "chooses)" if rows < sched.max_num_seqs else "")
+            + (f" (at most {cfg.window_memory:g} of the KV memory: vLLM now admits "
+               f"{rows} of max_num_seqs={cfg.max_num_seqs}; --max-num-active-seqs N "
+               "chooses)" if rows < cfg.max_num_seqs else "")
             + ", allocated before the KV cache is sized."
         )
     else:
@@ -302,9 +234,8 @@ def _log_memory(impl: PQAttentionImpl, st: LayerState) -> None:
         "(dense %s: %d B/token, %.1fx less). %s Codebooks: %.1f MiB. Prefill pages "
         "(transient, one layer): %.1f MiB. Decode split results: %.1f MiB.",
         codebooks.describe_m(impl.head_size, st.layout.m_k, st.layout.m_v),
-        f"CUDA kernels ({kernels.load()})" if ops.use_kernels(st.k_cb)
-        else "PyTorch reference path (slow)",
-        impl.block_size, st.window, layers, per_token, st.k_cb.dtype,
+        f"CUDA kernels ({kernels.load()})" if st.kernels else "PyTorch reference path (slow)",
+        st.layout.block_size, st.window, layers, per_token, st.k_cb.dtype,
         dense, dense / per_token, window, books / 2**20, st.prefill_scratch / 2**20,
         st.decode_workspace / 2**20,
     )

@@ -84,7 +84,7 @@ def read_codes(kv_cache, blocks, length: int, layout: PageLayout):
 
 def dequant_pages(kv_cache, block_ids, k_cb, v_cb, layout: PageLayout):
     """K and V of the pages ``block_ids`` in ``k_cb``'s dtype, FlashAttention's paged layout
-    ``[n, B, H, d]`` (codes_attention.dequant_pages)."""
+    ``[n, B, H, d]`` (cuda_ops.dequant_pages)."""
     n = block_ids.numel()
     b, mk, mv = layout.block_size, layout.m_k, layout.m_v
     reg = kv_cache.view(torch.uint8).flatten(2)[block_ids.long()]  # [n, H, B*(Mk+Mv)]

@@ -1,0 +1,171 @@
+"""One engine's PQ settings, resolved once from its vLLM config: the codebook file (checked
+against the model), Mk and Mv, the window, and the window store's rows. The backend (page
+size), the metadata builder and the impl all read this one object (``EngineConfig.of``).
+
+What the user asked for comes from ``config.PQConfig``; the codebook file is the authority
+on Mk and Mv and is checked against the model and the configuration here, once.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+
+import torch
+from vllm.logger import init_logger
+
+from . import codebooks
+from .config import PQConfig
+
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler, see __init__
+
+# VllmConfig is unhashable: entries are keyed by id() and dropped when their config is
+# collected, so a new config never finds an old one's entry under a reused id.
+_RESOLVED: dict[int, tuple[weakref.ref, EngineConfig]] = {}
+
+
+class EngineConfig:
+    """The PQ settings of the engine a ``VllmConfig`` describes (see module doc).
+
+    vLLM settles the KV block size after it builds the model, and the scheduler's admission
+    (``max_num_active_seqs``) when the model first runs: those are read from the engine's
+    config when used, never copied at construction."""
+
+    def __init__(self, vllm_config) -> None:
+        mc = vllm_config.model_config
+        self.user = PQConfig.from_sources(vllm_config.additional_config, mc.model)
+        self.head_size = mc.get_head_size()
+        self.codebooks = codebooks.read_info(self.user.codebook_file(self.head_size))
+        codebooks.validate(self.codebooks, mc.hf_config, self.user.m_k, self.user.m_v, mc.model)
+        self.m_k, self.m_v = self.codebooks.m_k, self.codebooks.m_v  # K and V subspaces per head
+        self.max_model_len = mc.max_model_len
+        self._cache = vllm_config.cache_config
+        self._scheduler = vllm_config.scheduler_config
+        self._parallel = vllm_config.parallel_config
+        self._compilation = vllm_config.compilation_config
+        self._windows: dict[int, int] = {}  # block size -> window
+
+    @staticmethod
+    def of(vllm_config) -> EngineConfig:
+        """The engine's settings, resolved on the first call for this config object."""
+        key = id(vllm_config)
+        hit = _RESOLVED.get(key)
+        if hit is not None and hit[0]() is vllm_config:
+            return hit[1]
+        resolved = EngineConfig(vllm_config)
+        _RESOLVED[key] = (weakref.ref(vllm_config), resolved)
+        weakref.finalize(vllm_config, _RESOLVED.pop, key, None)
+        return resolved
+
+    @staticmethod
+    def of_caller() -> EngineConfig:
+        """The settings of the engine whose code is calling (see ``vllm_config_of_caller``)."""
+        return EngineConfig.of(vllm_config_of_caller())
+
+    @property
+    def block_size(self) -> int:
+        return self._cache.block_size
+
+    @property
+    def window(self) -> int:
+        """Tokens of the residual window at the engine's block size (layout.py), resolved
+        once per block size; the first resolution warns if the codebooks were calibrated
+        for another window."""
+        b = self.block_size
+        if b not in self._windows:
+            self._windows[b] = self.user.resolve_window(b)
+            self._check_calibration_window(self._windows[b])
+        return self._windows[b]
+
+    def _check_calibration_window(self, window: int) -> None:
+        """Calibration keeps statistics of the keys a query reads through codes, which the
+        window decides: codebooks calibrated for another window serve, but fit less well."""
+        calibrated = codebooks.calibration_of(self.codebooks).get("window")
+        if calibrated is None or int(calibrated) == window:
+            return
+        logger.warning(
+            "vllm_pq_backend: serving with window %d, but the codebooks %s were calibrated "
+            "for window %d; recalibrate with `python -m vllm_pq_backend.calibrate ... "
+            "--window %d`, or serve with --additional-config '{\"pq\": {\"window\": %d}}'.",
+            window, self.codebooks.path, int(calibrated), window, int(calibrated))
+
+    @property
+    def window_memory(self) -> float:
+        return self.user.window_memory
+
+    @property
+    def max_decode_rows(self) -> int:
+        """Most rows one decode step can pass the kernel: max_num_seqs, or a larger CUDA
+        graph capture size (graphs pad a batch up to one)."""
+        sizes = self._compilation.cudagraph_capture_sizes or []
+        return max([self._scheduler.max_num_seqs, *sizes])
+
+    def window_bytes_per_seq(self, num_kv_heads: int, dtype: torch.dtype) -> int:
+        """Window store bytes of one running sequence, all layers."""
+        esz = torch.tensor([], dtype=dtype).element_size()
+        return (2 * num_kv_heads * self.window * self.head_size * esz
+                * self.codebooks.num_layers)
+
+    def window_rows(self, num_kv_heads: int, dtype: torch.dtype, device) -> int:
+        """Running sequences the window store has rows for: vLLM's admission limit (the
+        scheduler's ``max_num_active_seqs``, else ``max_num_seqs``), lowered on first use
+        so that the store takes at most ``window_memory`` of the memory vLLM has left for
+        the KV cache, and then written back as ``max_num_active_seqs`` so that the
+        scheduler, which this engine builds after the model, admits no more
+        (metadata.WindowRows gives each running request's slot one of these). The user's
+        ``--max-num-active-seqs`` wins. With several workers the scheduler lives in another
+        process: no lowering there."""
+        sched = self._scheduler
+        if sched.max_num_active_seqs is not None:  # the user's, or this engine's first layer's
+            return sched.max_num_active_seqs
+        cap = sched.max_num_seqs
+        if torch.device(device).type != "cuda" or self._parallel.world_size > 1:
+            return cap
+        if self._cache.kv_cache_memory_bytes:  # the user sized the KV cache: no profile
+            budget = self._cache.kv_cache_memory_bytes
+        else:  # what is left of this engine's share: memory in use (any process's) is spent
+            free, total = torch.cuda.mem_get_info(device)
+            budget = self._cache.gpu_memory_utilization * total - (total - free)
+        per_seq = self.window_bytes_per_seq(num_kv_heads, dtype)
+        rows = max(1, min(cap, int(self.window_memory * budget) // per_seq))
+        sched.max_num_active_seqs = rows
+        return rows
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self._scheduler.max_num_seqs
+
+    @property
+    def scratch_row(self) -> int:
+        """The window store's last row, where CUDA-graph padding requests and dummy runs
+        write, never touching a live request's rows: one past the rows of the running
+        requests (``window_rows``), read when asked (the first layer settles them)."""
+        return self._scheduler.max_num_active_seqs or self._scheduler.max_num_seqs
+
+
+def vllm_config_of_caller():
+    """The vLLM config of the engine whose code is calling.
+
+    vLLM makes it current while it builds the layers, but asks the backend for the page
+    size (``customize_spec``, from the model runner's ``get_kv_cache_spec``) outside that
+    context, with no handle on the engine. There it is the caller's: a ``vllm_config``
+    argument or the model runner's ``self.vllm_config`` in a frame up the stack. Read from
+    the stack rather than remembered from an earlier call, so that two engines in one
+    process never see each other's configuration."""
+    from vllm.config import VllmConfig, get_current_vllm_config_or_none
+
+    vc = get_current_vllm_config_or_none()
+    frame = sys._getframe(1)
+    while vc is None and frame is not None:
+        loc = frame.f_locals
+        for cand in (loc.get("vllm_config"), getattr(loc.get("self"), "vllm_config", None)):
+            if isinstance(cand, VllmConfig):
+                vc = cand
+                break
+        frame = frame.f_back
+    if vc is None:
+        raise RuntimeError(
+            "vllm_pq_backend: no vLLM config is current and no caller holds one; the "
+            "backend's page size depends on the engine's codebooks"
+        )
+    return vc

@@ -89,10 +89,10 @@ def bench_pq(batch, ctx, ms, gen, hq=HQ, hkv=HKV, lut=False, per_item=False, min
     kernel's own device time (kernel_times); ``lens``: each request's context (default
     ``ctx`` for all); ``order``: requests dealt to the CTAs longest first, as the backend
     does (False: in the batch's order)."""
-    from vllm_pq_backend import ops
+    from vllm_pq_backend import cuda_ops, plans
     from vllm_pq_backend.layout import PageLayout
 
-    assert ops.kernels_available(), "build the CUDA kernels first"
+    assert cuda_ops.available(), "build the CUDA kernels first"
     lay = PageLayout(PQ_BLOCK, *ms)
     lens = [ctx] * batch if lens is None else lens
     code_bytes = sum(lens) * hkv * lay.state_bytes
@@ -109,12 +109,12 @@ def bench_pq(batch, ctx, ms, gen, hq=HQ, hkv=HKV, lut=False, per_item=False, min
     new_kv = [torch.randn(batch, hkv, D, **bf16) for _ in range(2)]  # the kernel writes them
     out = torch.empty_like(q)
     seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    order_t = (torch.from_numpy(ops.decode_order(np.array(lens))).cuda() if order
+    order_t = (torch.from_numpy(plans.decode_order(np.array(lens))).cuda() if order
                else seq.new_empty(0))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    splits = ops.num_splits_for(batch, ops.ctas_per_split(hq, hkv), sms)
-    min_split = ops.MIN_SPLIT_TOKENS if min_split is None else min_split
-    ctas = 0 if per_item else ops.num_ctas_for(ops.ctas_per_split(hq, hkv), sms)
+    splits = plans.num_splits_for(batch, plans.ctas_per_split(hq, hkv), sms)
+    min_split = plans.MIN_SPLIT_TOKENS if min_split is None else min_split
+    ctas = 0 if per_item else plans.num_ctas_for(plans.ctas_per_split(hq, hkv), sms)
     ws_o = torch.empty(batch * hq * splits * D, device="cuda")
     ws_lse = torch.empty(batch * hq * splits, device="cuda")
 
@@ -251,7 +251,7 @@ def main() -> int:
                         "always with --mix)")
     p.add_argument("--out", default="eval/results/decode_kernel.json")
     args = p.parse_args()
-    from vllm_pq_backend import ops
+    from vllm_pq_backend import plans
     from vllm_pq_backend.layout import subspaces
 
     args.settings = []
@@ -306,7 +306,7 @@ def main() -> int:
                 custom_bytes=must, fa3_gbs=round(fa_bytes / (fa * 1e-6) / 1e9, 1),
                 turboquant_gbs=_num(tq_bytes / (tq * 1e-6) / 1e9, 1), copy_gbs=round(copy_gbs, 1),
                 custom_pct_copy=round(100 * gbs / copy_gbs, 1), splits=splits,
-                min_split=ops.MIN_SPLIT_TOKENS if args.min_split is None else args.min_split,
+                min_split=plans.MIN_SPLIT_TOKENS if args.min_split is None else args.min_split,
                 custom_per_item_us=_num(per_item, 2), custom_batch_order_us=_num(batch_order, 2),
                 **(dict(lens=lens, mix=args.mix) if lens is not None else {}),
                 **(dict(custom_kernel_us=ktimes) if args.kernel_times else {}),

@@ -36,7 +36,6 @@ import json
 import math
 import os
 import random
-import re
 import subprocess
 import sys
 import time

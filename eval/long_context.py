@@ -308,8 +308,10 @@ def retrieval_rows(label: str, res: dict, samples, ref_correct: dict | None) -> 
 def engine_label(meta: dict, window: int) -> str:
     """CUSTOM by bits per element, window, and calibration sequence length where not the default."""
     label = f"CUSTOM K{meta['bits_k']}/V{meta['bits_v']} bits W={window}"
-    seq = meta.get("calib_seq_len")
-    return label if seq in (None, 2048) else f"{label}, calibrated on {seq // 1024}K-token sequences"
+    seq, pack = meta.get("calib_seq_len"), meta.get("calib_pack")
+    if seq in (None, 2048) and not pack:
+        return label
+    return f"{label}, calibrated on {seq // 1024}K-token {'packed ' if pack else ''}sequences"
 
 
 def plot(section: dict, path: str) -> None:

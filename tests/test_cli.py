@@ -254,3 +254,21 @@ def test_the_command_line_has_no_traceback(tmp_path, model):
         assert r.returncode == 2, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert r.stderr.startswith("calibrate: error: ") and "Traceback" not in r.stderr
+
+
+def test_packed_sequences_are_full_length_across_short_documents(tmp_path, tok):
+    """--pack joins documents before the cut: every sequence but the last has --seq-len
+    tokens though each document is far shorter, and the text is the documents' in order;
+    without it each short document is a sequence of its own."""
+    with open(tmp_path / "a.jsonl", "w") as fh:
+        for i in range(40):
+            fh.write(json.dumps({"text": f"doc{i} " + GOOD}) + "\n")
+    docs = calibrate.read_documents([str(tmp_path / "a.jsonl")])
+    alone = calibrate.token_sequences(tok, docs, 1024, 6000)
+    assert max(map(len, alone)) < 1024 and len(alone) > 6
+    docs = calibrate.read_documents([str(tmp_path / "a.jsonl")])
+    packed = calibrate.token_sequences(tok, docs, 1024, 6000, pack=True)
+    assert [len(s) for s in packed[:-1]] == [1024] * (len(packed) - 1)
+    assert sum(map(len, packed)) == 6000 or len(packed[-1]) < 1024
+    first_words = [tok.words[t] for s in packed for t in s[1:] if tok.words[t].startswith("doc")]
+    assert first_words == [f"doc{i}" for i in range(len(first_words))] and len(first_words) > 6

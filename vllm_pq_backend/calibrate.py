@@ -202,11 +202,14 @@ def read_documents(paths: list[str]) -> Documents:
 
 
 def token_sequences(tokenizer, docs, seq_len: int, max_tokens: int,
-                    shuffle_seed: int | None = None) -> list[list[int]]:
+                    shuffle_seed: int | None = None, pack: bool = False) -> list[list[int]]:
     """Documents (``Documents``, or a list of strings) cut into sequences of at most
     ``seq_len`` tokens, BOS first if any, until ``max_tokens``: in file order, or in a
     seeded random order (a sample of the whole text, not its first documents). Reads the
-    documents only as far as that needs. Sequences under ``MIN_TOKENS`` are skipped."""
+    documents only as far as that needs. Sequences under ``MIN_TOKENS`` are skipped.
+    ``pack``: documents joined (a blank line between) before the cut, so that every sequence
+    but the last has ``seq_len`` tokens however short the documents are: statistics from
+    every position up to ``seq_len``, which long contexts read."""
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     step = seq_len - len(bos)
     if shuffle_seed is not None:
@@ -216,7 +219,7 @@ def token_sequences(tokenizer, docs, seq_len: int, max_tokens: int,
             gen = torch.Generator().manual_seed(shuffle_seed)
             docs = [docs[i] for i in torch.randperm(len(docs), generator=gen)]
     seqs, total, longest = [], 0, 0
-    for doc in docs:
+    for doc in [_joined(docs)] if pack else docs:
         length = 0
         for ids in _chunks(tokenizer, [doc] if isinstance(doc, str) else doc, step):
             length += len(ids)
@@ -236,6 +239,14 @@ def token_sequences(tokenizer, docs, seq_len: int, max_tokens: int,
                                f"ending in {', '.join(TEXT_SUFFIXES)})")
     raise CalibrationError(f"no document in {where} has the {MIN_TOKENS - len(bos)} tokens a "
                            f"sequence needs (the longest has {longest}); give longer documents")
+
+
+def _joined(docs):
+    """The documents' text pieces as one document's, a blank line between documents."""
+    for k, doc in enumerate(docs):
+        if k:
+            yield "\n\n"
+        yield from [doc] if isinstance(doc, str) else doc
 
 
 def _chunks(tokenizer, pieces, step: int):
@@ -579,6 +590,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", nargs="*", default=[], metavar="FIELD=VALUE",
                    help="override a training setting (fields of calibrate.Method, e.g. "
                         "v_gamma=0.5); for ablations, the defaults are the best measured")
+    p.add_argument("--pack", action="store_true",
+                   help="join documents before cutting them into --seq-len sequences, so that "
+                        "each sequence is --seq-len long: calibration for long contexts "
+                        "(e.g. --seq-len 8192 --pack) sees keys at every position up to it")
     p.add_argument("--shuffle-docs", action="store_true",
                    help="take --tokens from documents in a seeded random order, not file "
                         "order (indexes every document first: files, not pipes)")
@@ -743,7 +758,7 @@ def _run(args, parser) -> int:
     docs = read_documents(args.text)
     tok = load_tokenizer(args.model)
     seqs = token_sequences(tok, docs, args.seq_len, args.tokens,
-                           args.seed if args.shuffle_docs else None)
+                           args.seed if args.shuffle_docs else None, args.pack)
     total = sum(map(len, seqs))
     if total < NUM_CENTROIDS:
         raise CalibrationError(f"{' '.join(args.text)} gives {total} tokens in sequences of "
@@ -770,7 +785,7 @@ def _run(args, parser) -> int:
         "texts": [os.path.abspath(t) for t in args.text],
         "documents": docs.count, "tokens": total, "seq_len": args.seq_len, "samples_per_head": samples,
         "seed": args.seed, "dtype": args.dtype, "window": args.window,
-        "shuffle_docs": args.shuffle_docs,
+        "shuffle_docs": args.shuffle_docs, "pack": args.pack,
         "method": asdict(method), "pinned_bos_sink": stats[0].sink is not None,
         "rel_mse_k": books["rel_mse_k"], "rel_mse_v": books["rel_mse_v"],
         "seconds": round(time.time() - t0, 1),

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import random_codebooks, vllm_config, write_model_config
+from helpers import RequestTable, Runner, random_codebooks, vllm_config, write_model_config
 from vllm_pq_backend import codebooks
 from vllm_pq_backend.config import PQConfig
 
@@ -359,7 +359,9 @@ def test_builder_on_common_metadata(model_factory, monkeypatch):
         spec = PQAttentionBackend.customize_spec(
             FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
         )
-        builder = PQAttentionBackend.get_builder_cls()(spec, ["l0"], vc, torch.device("cpu"))
+    table = RequestTable(range(16))
+    builder = Runner(table).builder(spec, vc)
+    slots = [table.add(r) for r in ("a", "b", "c")]
     # two decodes (contexts 40, 7), then a prefill chunk of 50 tokens after 20 cached
     qsl = torch.tensor([0, 1, 2, 52], dtype=torch.int32)
     seq = torch.tensor([40, 7, 70], dtype=torch.int32)
@@ -368,7 +370,7 @@ def test_builder_on_common_metadata(model_factory, monkeypatch):
         query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq, num_reqs=3,
         num_actual_tokens=52, max_query_len=50, max_seq_len=70, block_table_tensor=table,
         slot_mapping=torch.arange(52), seq_lens_cpu_upper_bound=seq,
-        req_idx=np.array([11, 15, 6]),  # vLLM's slots: window rows in order of first sight
+        req_idx=np.array(slots),  # vLLM's slots: window rows in order of first sight
     )
     md = builder.build(0, cam)
     assert (md.num_decodes, md.num_decode_tokens, md.num_prefills) == (2, 2, 1)
@@ -452,7 +454,9 @@ def test_builder_reads_the_window_store_rows_at_each_build(model_factory):
         spec = PQAttentionBackend.customize_spec(
             FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
         )
-        builder = PQAttentionBackend.get_builder_cls()(spec, ["l0"], vc, torch.device("cpu"))
+    table = RequestTable(range(16))
+    builder = Runner(table).builder(spec, vc)
+    slots = [table.add(r) for r in ("a", "b")]
     vc.scheduler_config.max_num_active_seqs = 4  # the first layer's store: 4 rows + scratch
     seq = torch.tensor([40, 7, 9], dtype=torch.int32)
     qsl = torch.arange(4, dtype=torch.int32)
@@ -461,7 +465,7 @@ def test_builder_reads_the_window_store_rows_at_each_build(model_factory):
         num_actual_tokens=3, max_query_len=1, max_seq_len=40,
         block_table_tensor=torch.tensor([[3, 4], [5, 0], [6, 0]], dtype=torch.int32),
         slot_mapping=torch.arange(3), seq_lens_cpu_upper_bound=seq,
-        req_idx=np.array([15, 12]),  # the third request is CUDA-graph padding
+        req_idx=np.array(slots),  # the third request is CUDA-graph padding
     )
     md = builder.build(0, cam)
     assert md.req_rows.tolist() == [0, 1, 4]
@@ -550,79 +554,6 @@ def test_missing_kernels_on_a_gpu_fail_with_the_fix(monkeypatch):
         assert kernels.load() is None
     finally:
         kernels.load.cache_clear()
-
-
-class _VllmSlots:
-    """vLLM's model runner V2 request slots (gpu/states.py RequestState): a free list
-    popped from the end, freed slots appended, finished requests freed sorted by id."""
-
-    def __init__(self, n):
-        self.free, self.slot_of = list(range(n)), {}
-
-    def add(self, rid):
-        self.slot_of[rid] = self.free.pop()
-
-    def finish(self, rids):
-        for rid in sorted(rids):
-            self.free.append(self.slot_of.pop(rid))
-
-
-def _warmed_up(n_slots, n_warmup):
-    """The slots as serving finds them after vLLM's kernel warm-up (gpu/warmup.py):
-    ``n_warmup`` requests named ``_warmup_{i}_`` run together and are freed by name."""
-    slots = _VllmSlots(n_slots)
-    ids = [f"_warmup_{i}_" for i in range(n_warmup)]
-    for rid in ids:
-        slots.add(rid)
-    warm = [slots.slot_of[r] for r in ids]
-    slots.finish(ids)
-    return slots, warm
-
-
-def test_window_rows_are_never_shared_by_running_requests():
-    """Requests that run together (at most R: the scheduler's admission) hold distinct
-    window rows, whatever order vLLM's start-up left its free slots in, including steps
-    that schedule only some of them (a token budget spent on a long prefill)."""
-    from vllm_pq_backend.metadata import WindowRows
-
-    n_slots, rows = 64, 8
-    slots, warm = _warmed_up(n_slots, 40)
-    assign = WindowRows()
-    assign.assign(np.array(warm), rows)  # the warm-up's own step: more requests than rows
-
-    def from_top(s):  # the mapping this replaced: rows counted from vLLM's top slot
-        return n_slots - 1 - s if n_slots - 1 - s < rows else rows
-
-    rng = np.random.default_rng(0)
-    live, row_of, next_id, top_shared = [], {}, 0, 0
-    for _ in range(3000):
-        done = [r for r in live if rng.random() < 0.15]
-        slots.finish(done)
-        live = [r for r in live if r not in done]
-        while len(live) < rows and rng.random() < 0.7:
-            slots.add(next_id)
-            live.append(next_id)
-            next_id += 1
-        run = [r for r in live if rng.random() < 0.8] or live[:1]
-        if not run:
-            continue
-        got = assign.assign(np.array([slots.slot_of[r] for r in run]), rows)
-        row_of.update(zip(run, got.tolist()))
-        held = [row_of[r] for r in live if r in row_of]
-        assert max(held) < rows and len(set(held)) == len(held), (live, held)
-        top = [from_top(slots.slot_of[r]) for r in live]
-        top_shared += len(set(top)) < len(top)
-    assert next_id > 1000
-    assert top_shared > 100  # the old mapping put running requests on one row
-
-
-def test_window_rows_of_a_dummy_run_and_capacity():
-    from vllm_pq_backend.metadata import WindowRows
-
-    assign = WindowRows()
-    assert assign.assign(np.arange(6), 4).tolist() == [0, 1, 2, 3, 4, 4]  # dummy run of 6
-    assert assign.assign(np.array([2, 9]), 4).tolist() == [2, 0]  # 9 takes slot 0's row
-    assert assign.assign(np.array([9, 2]), 16).tolist() == [0, 1]  # admission settled: anew
 
 
 def test_window_store_lowers_admission_to_fit_its_memory_share(model_factory, monkeypatch):

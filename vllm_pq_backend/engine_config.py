@@ -44,6 +44,9 @@ class EngineConfig:
         self._parallel = vllm_config.parallel_config
         self._compilation = vllm_config.compilation_config
         self._windows: dict[int, int] = {}  # block size -> window
+        # the running requests' window store rows (metadata.WindowRows), one table for all
+        # of this engine's metadata builders, made by the first
+        self.window_table = None
 
     @staticmethod
     def of(vllm_config) -> EngineConfig:
@@ -112,7 +115,7 @@ class EngineConfig:
         so that the store takes at most ``window_memory`` of the memory vLLM has left for
         the KV cache, and then written back as ``max_num_active_seqs`` so that the
         scheduler, which this engine builds after the model, admits no more
-        (metadata.WindowRows gives each running request's slot one of these). The user's
+        (metadata.WindowRows gives each running request one of these). The user's
         ``--max-num-active-seqs`` wins. With several workers the scheduler lives in another
         process: no lowering there."""
         sched = self._scheduler

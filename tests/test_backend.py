@@ -527,6 +527,29 @@ def test_speculative_decoding_without_draft_attention_only(model_factory, method
             assert PQAttentionImpl(4, 64, 0.125, 2).num_kv_heads == 2
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_speculation_under_async_scheduling_is_refused(model_factory, async_scheduling):
+    """Under async scheduling a verification step's host-side context lengths are an upper
+    bound that counts every draft as accepted (ngram_gpu runs that way by default): the
+    prefill plan would place the step's rows wrongly, so the engine does not start, and
+    says why and what to change. Without async scheduling the lengths are exact."""
+    from vllm.config import set_current_vllm_config
+
+    from vllm_pq_backend.impl import PQAttentionImpl
+
+    vc = vllm_config(model_factory(64, 4, 2), block_size=64, pq={})
+    spec = types.SimpleNamespace(method="ngram_gpu", uses_draft_kv_cache=lambda: False)
+    object.__setattr__(vc, "speculative_config", spec)
+    vc.scheduler_config.async_scheduling = async_scheduling
+    with set_current_vllm_config(vc):
+        if async_scheduling:
+            with pytest.raises(NotImplementedError, match="'ngram_gpu'.*async scheduling.*"
+                               "upper bound.*--no-async-scheduling"):
+                PQAttentionImpl(4, 64, 0.125, 2)
+        else:
+            assert PQAttentionImpl(4, 64, 0.125, 2).num_kv_heads == 2
+
+
 def test_missing_kernels_on_a_gpu_fail_with_the_fix(monkeypatch):
     """No silent fallback: without built kernels on a GPU, a failed just-in-time build is
     an error naming the fix, unless the reference path is asked for."""

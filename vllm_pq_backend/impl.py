@@ -134,6 +134,20 @@ class PQAttentionImpl(AttentionImpl[PQMetadata]):
                 f"KV cache (ngram, ngram_gpu, suffix, medusa, mlp_speculator), not "
                 f"{spec.method!r}: its draft layers would need PQ codebooks of their own."
             )
+        if spec is not None and vc.scheduler_config.async_scheduling:
+            # vLLM then knows a verification step's context lengths on the host only as an
+            # upper bound that counts every draft as accepted (seq_lens_cpu_upper_bound);
+            # the exact ones are on the GPU. The prefill plan (window segments, where the
+            # step's rows enter the window store, FlashAttention's seqused_k) would read
+            # and write the wrong positions, and reading the exact ones would wait for the
+            # running step, which async scheduling exists to avoid.
+            raise NotImplementedError(
+                f"The CUSTOM (PQ) backend does not serve speculative decoding "
+                f"({spec.method!r}) under async scheduling: the host knows the context "
+                f"lengths of verification steps only as an upper bound (all drafts "
+                f"accepted), and its prefill plan needs them exact; serve with "
+                f"--no-async-scheduling, or use method 'ngram' (which runs without it)."
+            )
         self.cfg = EngineConfig.of(vc)  # the codebooks checked against the model here
         self.tp_rank, self.tp_size = _tp_rank_size()
         self._state: LayerState | None = None

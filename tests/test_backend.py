@@ -73,6 +73,24 @@ def test_validate_rejects(change, needle):
     assert len(reasons) == 1 and needle in reasons[0], reasons
 
 
+def test_gpus_the_kernels_do_not_support_are_refused():
+    """The kernels are built for sm_90 and the decode kernel's shared memory exceeds what
+    Ampere and Ada give a block: every other compute capability is refused at start-up
+    with one reason naming the supported GPUs; without a GPU (no capability) the CPU path
+    serves."""
+    from vllm.platforms.interface import DeviceCapability
+
+    from vllm_pq_backend.backend import PQAttentionBackend
+
+    assert PQAttentionBackend.validate_configuration(
+        **dict(GOOD, device_capability=DeviceCapability(9, 0))) == []
+    assert PQAttentionBackend.validate_configuration(**dict(GOOD, device_capability=None)) == []
+    for major, minor in ((8, 0), (8, 6), (8, 9), (10, 0), (12, 0)):
+        (reason,) = PQAttentionBackend.validate_configuration(
+            **dict(GOOD, device_capability=DeviceCapability(major, minor)))
+        assert f"not {major}.{minor}" in reason and "9.0 (H100, H200)" in reason, reason
+
+
 def test_readme_lists_every_rejection():
     """The README's table of what is rejected at start-up (the paragraph that introduces it
     and the table after it) names everything the backend refuses: each "does not support X"

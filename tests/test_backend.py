@@ -610,8 +610,9 @@ def test_window_store_lowers_admission_to_fit_its_memory_share(model_factory, mo
     assert per_seq == 2 * 2 * 64 * 64 * 2 * 2  # K and V, 2 KV heads, W 64, d 64, bf16, 2 layers
     gib = 1 << 30
     vc.cache_config.gpu_memory_utilization = 0.5
-    mib = 1 << 20  # 4 GiB for vLLM, all but 64 MiB already in use
+    mib = 1 << 20  # 4 GiB for vLLM, all but 64 MiB already held by this engine
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (4 * gib + 64 * mib, 8 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 4 * gib - 64 * mib)
     rows = cfg.window_rows(2, torch.bfloat16, "cuda")
     assert rows == int(0.1 * 64 * mib) // per_seq == 102
     assert vc.scheduler_config.max_num_active_seqs == rows  # what the scheduler admits
@@ -630,6 +631,39 @@ def test_window_store_lowers_admission_to_fit_its_memory_share(model_factory, mo
     vc.scheduler_config.max_num_active_seqs = None
     vc.cache_config.kv_cache_memory_bytes = 256 * mib
     assert cfg.window_rows(2, torch.bfloat16, "cuda") == int(0.1 * 256 * mib) // per_seq == 409
+
+
+def test_admission_never_collapses_silently(model_factory, monkeypatch, caplog):
+    """Memory other processes hold was checked by vLLM against its share at start-up and is
+    not taken from the KV cache again: the window store is sized from what vLLM will give
+    the KV cache (its share less what this engine holds), so a neighbour on the GPU does not
+    shrink admission to one request. Where this engine's own share leaves (next to) nothing,
+    admission collapses to a few requests, and a warning says so with the numbers and the
+    fix."""
+    import logging
+
+    from vllm_pq_backend.engine_config import EngineConfig
+
+    gib = 1 << 30
+    vc = vllm_config(model_factory(64, 4, 2), block_size=64, pq={"window": 64}, max_num_seqs=256)
+    cfg = EngineConfig.of(vc)
+    per_seq = cfg.window_bytes_per_seq(2, torch.bfloat16)
+    vc.cache_config.gpu_memory_utilization = 0.5
+    # another process holds 5 GiB of 8, this engine 1 GiB: vLLM gives the KV cache 3 GiB
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2 * gib, 8 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 1 * gib)
+    with caplog.at_level(logging.WARNING, logger="vllm"):
+        assert cfg.window_rows(2, torch.bfloat16, "cuda") == min(256, int(0.1 * 3 * gib) // per_seq)
+    assert not caplog.records
+    # this engine's weights take its whole share: one request at a time, said with the fix
+    vc.scheduler_config.max_num_active_seqs = None
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 4 * gib + 1)
+    with caplog.at_level(logging.WARNING, logger="vllm"):
+        assert cfg.window_rows(2, torch.bfloat16, "cuda") == 1
+    (msg,) = [r.getMessage() for r in caplog.records]
+    assert "fits only 1 running requests (of max_num_seqs=256)" in msg, msg
+    assert "4.0 GiB this engine holds" in msg and "--max-num-active-seqs N" in msg, msg
+    assert vc.scheduler_config.max_num_active_seqs == 1
 
 
 @pytest.mark.parametrize("total_kv,tp,rank,want", [(8, 2, 1, [4, 5, 6, 7]), (8, 4, 2, [4, 5]),

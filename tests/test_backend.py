@@ -568,6 +568,23 @@ def test_speculation_under_async_scheduling_is_refused(model_factory, async_sche
             assert PQAttentionImpl(4, 64, 0.125, 2).num_kv_heads == 2
 
 
+@pytest.mark.parametrize("flag", [dict(enable_dbo=True), dict(ubatch_size=2)])
+def test_micro_batching_is_refused(model_factory, flag):
+    """Dual batch overlap builds two micro-batches' metadata before running them, each on
+    a builder of its own: refused at start-up with the reason and the fix."""
+    from vllm.config import set_current_vllm_config
+
+    from vllm_pq_backend.impl import PQAttentionImpl
+
+    vc = vllm_config(model_factory(64, 4, 2), block_size=64, pq={})
+    for key, value in flag.items():
+        object.__setattr__(vc.parallel_config, key, value)
+    assert vc.parallel_config.use_ubatching
+    with set_current_vllm_config(vc):
+        with pytest.raises(NotImplementedError, match="micro-batched.*--enable-dbo.*without dual"):
+            PQAttentionImpl(4, 64, 0.125, 2)
+
+
 def test_missing_kernels_on_a_gpu_fail_with_the_fix(monkeypatch):
     """No silent fallback: without built kernels on a GPU, a failed just-in-time build is
     an error naming the fix, unless the reference path is asked for."""

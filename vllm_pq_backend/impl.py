@@ -148,6 +148,17 @@ class PQAttentionImpl(AttentionImpl[PQMetadata]):
                 f"accepted), and its prefill plan needs them exact; serve with "
                 f"--no-async-scheduling, or use method 'ngram' (which runs without it)."
             )
+        if vc.parallel_config.use_ubatching:
+            # vLLM gives each micro-batch a metadata builder of its own
+            # (attn_utils.init_attn_backend, num_metadata_builders), whose decode split
+            # results are allocated after the KV cache is sized: the profiling run reserves
+            # one builder's. A request split between the micro-batches has not been run.
+            raise NotImplementedError(
+                "The CUSTOM (PQ) backend does not serve micro-batched steps (--enable-dbo, "
+                "--ubatch-size > 1): its per-builder decode workspace is reserved once, not "
+                "per micro-batch, and a request split between micro-batches is untested; "
+                "serve without dual batch overlap."
+            )
         self.cfg = EngineConfig.of(vc)  # the codebooks checked against the model here
         self.tp_rank, self.tp_size = _tp_rank_size()
         self._state: LayerState | None = None

@@ -205,6 +205,10 @@ class PQAttentionImpl(AttentionImpl[PQMetadata]):
         md = attn_metadata
         if md is None:
             return output.zero_()
+        if st.win_k is not None and md.req_rows_end > st.win_k.shape[0]:
+            raise ValueError(
+                f"vllm_pq_backend: req_rows names window store row {md.req_rows_end - 1}, but "
+                f"the store has {st.win_k.shape[0]} rows (admission changed after it was sized)")
         n = md.num_actual_tokens
         out = output[:n]
         q, k, v = ops.apply_maps(st, ("query", query[:n]), ("key", key[:n]), ("value", value[:n]))

@@ -126,6 +126,7 @@ class PQMetadata(AttentionMetadata):
     slot_mapping: torch.Tensor
     req_rows: torch.Tensor | None  # each request's window store row (None without a window)
     req_rows_cpu: list[int] | None
+    req_rows_end: int  # the scratch row + 1, past every row req_rows holds (0: no window)
     decode: DecodePlan | None  # the decode kernel's schedule (None: no decodes)
     prefills: list[PrefillGroup]
 
@@ -220,6 +221,7 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
         qsl_cpu = cam.query_start_loc_cpu[: n + 1]
         seq_cpu = cam.seq_lens_cpu_upper_bound
         seq_cpu = (seq_cpu if seq_cpu is not None else cam.seq_lens.cpu())[:n]
+        self._check_step(qsl_cpu.numpy(), seq_cpu.numpy(), cam.block_table_tensor.shape)
         rows_cpu = self._window_rows(cam) if self.window > 0 else None
         prefills = []
         if npf:
@@ -250,9 +252,28 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
             slot_mapping=cam.slot_mapping,
             req_rows=self.req_rows[:n],
             req_rows_cpu=rows_cpu,
+            req_rows_end=self._rows_filled_with + 1 if rows_cpu is not None else 0,
             decode=self._plan_decode(seq_cpu[:nd].numpy()) if nd else None,
             prefills=prefills,
         )
+
+    def _check_step(self, qsl: np.ndarray, seq_lens: np.ndarray, table_shape) -> None:
+        """The step's lengths against each other and the block table, on the host where
+        they already are: the kernels index pages and rows with them and do not check."""
+        q_lens = np.diff(qsl)
+        bad = np.flatnonzero((q_lens < 0) | (q_lens > seq_lens))
+        if len(bad):
+            i = int(bad[0])
+            raise ValueError(
+                f"vllm_pq_backend: request {i} of the step has {int(q_lens[i])} query rows "
+                f"(query_start_loc) but seq_lens[{i}]={int(seq_lens[i])}")
+        pages = -(-seq_lens.astype(np.int64) // self.block_size)
+        if len(pages) and (len(pages) > table_shape[0] or pages.max() > table_shape[1]):
+            i = int(np.argmax(pages))
+            raise ValueError(
+                f"vllm_pq_backend: seq_lens[{i}]={int(seq_lens[i])} needs {int(pages[i])} "
+                f"blocks of {self.block_size}, but block_table is {list(table_shape)} for "
+                f"{len(pages)} requests")
 
     def _shared_window_rows(self, requests) -> WindowRows | None:
         """The engine's WindowRows over ``requests``, shared by all its builders (None:

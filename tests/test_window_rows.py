@@ -110,7 +110,7 @@ def test_a_request_beyond_the_rows_is_logged_and_stays_on_the_scratch_row(
 
 
 def test_builders_of_one_engine_share_the_rows(model_factory):
-    """Every metadata builder of an engine (its KV cache groups, vLLM's micro-batches) gives
+    """Every metadata builder of an engine (one per KV cache group) gives
     a request the same row: the layers of each read one window store per request."""
     table = RequestTable(range(SLOTS))
     builder, spec, vc = _builder(model_factory, table)

@@ -41,7 +41,7 @@ class WindowRows:
     request; one that finds none (vLLM's kernel warm-up runs ``max_num_seqs`` requests at
     once, beyond admission) is put on the scratch row ``rows`` for its whole life and
     logged. Slots no request holds (CUDA-graph padding, dummy runs) get the scratch row.
-    One per engine, shared by its metadata builders (KV cache groups, micro-batches)."""
+    One per engine, shared by its metadata builders (one per KV cache group)."""
 
     def __init__(self, requests) -> None:
         self.requests = requests  # vLLM's RequestState (or anything with its two dicts)

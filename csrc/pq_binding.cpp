@@ -5,6 +5,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
+#include <cstdint>
+#include <initializer_list>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -102,6 +104,17 @@ pq::KVRows kv_rows_of(const Tensor& key, const Tensor& value, const at::Device& 
   TORCH_CHECK(key.stride(2) == 1 && key.stride(1) == d && value.stride(2) == 1 && value.stride(1) == d,
               "vllm_pq_backend: key and value must be [n, kv_heads, head_dim] with dense heads");
   return pq::KVRows{key.data_ptr(), value.data_ptr(), key.stride(0), value.stride(0)};
+}
+
+// `t` starts at a 16-byte boundary and each of its strides in `dims` is a multiple of 16
+// bytes: the decode kernel reads such tensors in 16-byte vectors (and asynchronous or bulk
+// copies), which fault or read the wrong bytes off those boundaries.
+void check_aligned(const Tensor& t, const char* name, std::initializer_list<int64_t> dims = {}) {
+  bool ok = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  for (const int64_t dim : dims) ok = ok && (t.stride(dim) * t.element_size()) % 16 == 0;
+  TORCH_CHECK(ok, "vllm_pq_backend: ", name, " must start 16-byte aligned with strides ", t.strides(),
+              " (elements of ", t.element_size(), " bytes) that are multiples of 16 bytes in dims ",
+              at::IntArrayRef(dims));
 }
 
 void check_cuda(cudaError_t err, const char* what) {
@@ -236,6 +249,11 @@ void decode(Tensor out, const Tensor& q, const Tensor& kv_cache, const Tensor& b
               "vllm_pq_backend: decode workspace too small or not on ", dev);
   pq::DecodeArgs a{};
   a.pages = pages_of(kv_cache, dev, kv_heads, m_k, m_v, k_off, k_tok, v_off, v_sub, nan_code);
+  check_aligned(q, "q", {0});
+  check_aligned(out, "out", {0});
+  check_aligned(kv_cache, "kv_cache", {0, 1});
+  check_aligned(k_cb, "k_cb");
+  check_aligned(v_cb, "v_cb");
   a.q = q.data_ptr();
   a.q_stride = q.stride(0);
   a.out = out.data_ptr();
@@ -250,6 +268,7 @@ void decode(Tensor out, const Tensor& q, const Tensor& kv_cache, const Tensor& b
     check(books, "books", dev, {kv_heads, bytes});
     check_dtype(books, "books", at::kByte);
     TORCH_CHECK(books.is_contiguous(), "vllm_pq_backend: books must be contiguous (decode_books' output)");
+    check_aligned(books, "books");
     a.books = books.data_ptr<uint8_t>();
   }
   TORCH_CHECK(window >= 0, "vllm_pq_backend: window must be >= 0, got ", window);
@@ -259,6 +278,8 @@ void decode(Tensor out, const Tensor& q, const Tensor& kv_cache, const Tensor& b
   a.sliding_window = static_cast<int>(sliding_window);
   if (window > 0) {
     check_pair(win_k, win_v, "win_k", "win_v", dev, {-1, kv_heads, window, d}, q.scalar_type());
+    check_aligned(win_k, "win_k");
+    check_aligned(win_v, "win_v");
     check(rows, "rows", dev, {-1});
     check_dtype(rows, "rows", at::kInt);
     TORCH_CHECK(rows.is_contiguous() && rows.size(0) >= reqs, "vllm_pq_backend: rows must be contiguous int32 "

@@ -83,9 +83,50 @@ def vllm_config(model_dir, *, block_size, pq, max_num_seqs=16, max_model_len=204
     )
 
 
+class RequestTable:
+    """vLLM's model runner V2 request table (gpu/states.py RequestState): slots from a free
+    list, ``req_id_to_index`` / ``index_to_req_id``. vLLM pops the list's end and appends
+    freed slots (last freed, first reused); ``reuse`` also takes the first freed
+    ("first-freed-first") or any ("random"), which the window rows must not depend on.
+    ``free``: the free list as serving finds it."""
+
+    def __init__(self, free, reuse="last-freed-first", seed=0):
+        self.free = list(free)
+        self.reuse = reuse
+        self.rng = np.random.default_rng(seed)
+        self.req_id_to_index: dict[str, int] = {}
+        self.index_to_req_id: dict[int, str] = {}
+
+    def add(self, req_id: str) -> int:
+        at = {"last-freed-first": len(self.free) - 1, "first-freed-first": 0,
+              "random": int(self.rng.integers(len(self.free)))}[self.reuse]
+        slot = self.free.pop(at)
+        self.req_id_to_index[req_id] = slot
+        self.index_to_req_id[slot] = req_id
+        return slot
+
+    def remove(self, req_id: str) -> None:
+        slot = self.req_id_to_index.pop(req_id)
+        del self.index_to_req_id[slot]
+        self.free.append(slot)
+
+
+class Runner:
+    """What the metadata builder reads of vLLM's model runner: its request table, found
+    up the stack while the runner builds it (metadata.runner_requests)."""
+
+    def __init__(self, req_states: RequestTable):
+        self.req_states = req_states
+
+    def builder(self, spec, vc, device="cpu"):
+        from vllm_pq_backend.backend import PQAttentionBackend
+
+        return PQAttentionBackend.get_builder_cls()(spec, ["layer"], vc, torch.device(device))
+
+
 class Request:
-    def __init__(self, rid, row, blocks):
-        self.rid, self.row, self.blocks = rid, row, blocks
+    def __init__(self, rid, slot, blocks):
+        self.rid, self.slot, self.blocks = rid, slot, blocks  # slot: vLLM's req_idx
         self.q, self.k, self.v = [], [], []  # every token's rows so far
 
     @property
@@ -98,10 +139,11 @@ class Sim:
     builds CommonAttentionMetadata (decodes first), stores K/V, then attends."""
 
     def __init__(self, vc, *, num_blocks=64, layer_index=0, seed=0, dtype=torch.float32,
-                 device="cpu", sliding_window=None):
+                 device="cpu", sliding_window=None, reuse="last-freed-first"):
         """``sliding_window``: the layer's (vLLM's convention, key j > i - sw); blocks wholly
         before every query's window are then handed over as vLLM does once it freed them:
-        their block-table entries name the null block or blocks of other requests."""
+        their block-table entries name the null block or blocks of other requests.
+        ``reuse``: the order in which vLLM's request table hands out freed slots."""
         from vllm.config import set_current_vllm_config
         from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
@@ -118,6 +160,10 @@ class Sim:
         self.dev = torch.device(device)
         self.sw = sliding_window
         self.stale = np.random.default_rng(seed + 1)
+        # vLLM's request slots, in the shuffled order its start-up warm-up leaves them
+        # (test_backend._warmed_up): the window rows must not depend on that order
+        self.req_states = RequestTable(np.random.default_rng(seed + 1).permutation(
+            vc.scheduler_config.max_num_seqs).tolist(), reuse, seed)
         with set_current_vllm_config(vc):
             kw = dict(block_size=self.B, num_kv_heads=self.hkv, head_size=self.d,
                       dtype=torch.bfloat16)
@@ -138,17 +184,13 @@ class Sim:
             device=self.dev,
         )
         self.free_blocks = list(np.random.default_rng(seed).permutation(np.arange(1, num_blocks)))
-        # vLLM's request slots, in the shuffled order its start-up warm-up leaves them
-        # (test_backend._warmed_up): the window rows must not depend on that order
-        self.free_rows = np.random.default_rng(seed + 1).permutation(
-            vc.scheduler_config.max_num_seqs).tolist()
         self.reqs: dict[int, Request] = {}
 
     def add(self, rid, shared_blocks=(), max_len=512):
         """A new request; ``shared_blocks`` are full blocks it starts with (prefix hit).
         Its q/k/v rows are drawn up front from (seed, rid), so they do not depend on how
         the request is scheduled."""
-        r = Request(rid, self.free_rows.pop(), list(shared_blocks))
+        r = Request(rid, self.req_states.add(f"req-{rid}"), list(shared_blocks))
         g = torch.Generator().manual_seed(self.seed * 1000 + rid)
         r.source = [
             torch.randn(max_len, h, self.d, generator=g).to(self.dev, self.dtype)
@@ -159,7 +201,7 @@ class Sim:
 
     def finish(self, rid, keep_blocks=0):
         r = self.reqs.pop(rid)
-        self.free_rows.append(r.row)
+        self.req_states.remove(f"req-{rid}")
         self.free_blocks = r.blocks[keep_blocks:] + self.free_blocks
         return r.blocks[:keep_blocks]
 
@@ -170,7 +212,7 @@ class Sim:
         from vllm.v1.attention.backend import CommonAttentionMetadata
 
         work = sorted(work, key=lambda w: w[1] > 1)  # decodes first, as vLLM reorders
-        qsl, seq, slots, rows = [0], [], [], []
+        qsl, seq, slots, req_idx = [0], [], [], []
         q_all, k_all, v_all = [], [], []
         width = max(-(-(self.reqs[r].length + n) // self.B) for r, n in work)
         table = torch.zeros(len(work), width, dtype=torch.int32)
@@ -191,7 +233,7 @@ class Sim:
             slots += [r.blocks[p // self.B] * self.B + p % self.B for p in pos]
             qsl.append(qsl[-1] + n)
             seq.append(start + n)
-            rows.append(r.row)
+            req_idx.append(r.slot)
         qsl_t = torch.tensor(qsl, dtype=torch.int32)
         seq_t = torch.tensor(seq, dtype=torch.int32)
         dev = self.dev
@@ -200,7 +242,7 @@ class Sim:
             num_reqs=len(work), num_actual_tokens=qsl[-1], max_query_len=max(n for _, n in work),
             max_seq_len=max(seq), block_table_tensor=table.to(dev),
             slot_mapping=torch.tensor(slots + [-1] * pad, dtype=torch.int64, device=dev),
-            seq_lens_cpu_upper_bound=seq_t, req_idx=np.array(rows),
+            seq_lens_cpu_upper_bound=seq_t, req_idx=np.array(req_idx),
         )
         md = self.builder.build(0, cam)
         # views of one packed row per token, strided as vLLM's qkv split leaves them

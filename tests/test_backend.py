@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import random_codebooks, vllm_config, write_model_config
+from helpers import RequestTable, Runner, random_codebooks, vllm_config, write_model_config
 from vllm_pq_backend import codebooks
 from vllm_pq_backend.config import PQConfig
 
@@ -71,6 +71,24 @@ def test_validate_rejects(change, needle):
 
     reasons = PQAttentionBackend.validate_configuration(**dict(GOOD, **change))
     assert len(reasons) == 1 and needle in reasons[0], reasons
+
+
+def test_gpus_the_kernels_do_not_support_are_refused():
+    """The kernels are built for sm_90 and the decode kernel's shared memory exceeds what
+    Ampere and Ada give a block: every other compute capability is refused at start-up
+    with one reason naming the supported GPUs; without a GPU (no capability) the CPU path
+    serves."""
+    from vllm.platforms.interface import DeviceCapability
+
+    from vllm_pq_backend.backend import PQAttentionBackend
+
+    assert PQAttentionBackend.validate_configuration(
+        **dict(GOOD, device_capability=DeviceCapability(9, 0))) == []
+    assert PQAttentionBackend.validate_configuration(**dict(GOOD, device_capability=None)) == []
+    for major, minor in ((8, 0), (8, 6), (8, 9), (10, 0), (12, 0)):
+        (reason,) = PQAttentionBackend.validate_configuration(
+            **dict(GOOD, device_capability=DeviceCapability(major, minor)))
+        assert f"not {major}.{minor}" in reason and "9.0 (H100, H200)" in reason, reason
 
 
 def test_readme_lists_every_rejection():
@@ -359,7 +377,9 @@ def test_builder_on_common_metadata(model_factory, monkeypatch):
         spec = PQAttentionBackend.customize_spec(
             FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
         )
-        builder = PQAttentionBackend.get_builder_cls()(spec, ["l0"], vc, torch.device("cpu"))
+    table = RequestTable(range(16))
+    builder = Runner(table).builder(spec, vc)
+    slots = [table.add(r) for r in ("a", "b", "c")]
     # two decodes (contexts 40, 7), then a prefill chunk of 50 tokens after 20 cached
     qsl = torch.tensor([0, 1, 2, 52], dtype=torch.int32)
     seq = torch.tensor([40, 7, 70], dtype=torch.int32)
@@ -368,7 +388,7 @@ def test_builder_on_common_metadata(model_factory, monkeypatch):
         query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq, num_reqs=3,
         num_actual_tokens=52, max_query_len=50, max_seq_len=70, block_table_tensor=table,
         slot_mapping=torch.arange(52), seq_lens_cpu_upper_bound=seq,
-        req_idx=np.array([11, 15, 6]),  # vLLM's slots: window rows in order of first sight
+        req_idx=np.array(slots),  # vLLM's slots: window rows in order of first sight
     )
     md = builder.build(0, cam)
     assert (md.num_decodes, md.num_decode_tokens, md.num_prefills) == (2, 2, 1)
@@ -452,7 +472,9 @@ def test_builder_reads_the_window_store_rows_at_each_build(model_factory):
         spec = PQAttentionBackend.customize_spec(
             FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
         )
-        builder = PQAttentionBackend.get_builder_cls()(spec, ["l0"], vc, torch.device("cpu"))
+    table = RequestTable(range(16))
+    builder = Runner(table).builder(spec, vc)
+    slots = [table.add(r) for r in ("a", "b")]
     vc.scheduler_config.max_num_active_seqs = 4  # the first layer's store: 4 rows + scratch
     seq = torch.tensor([40, 7, 9], dtype=torch.int32)
     qsl = torch.arange(4, dtype=torch.int32)
@@ -461,7 +483,7 @@ def test_builder_reads_the_window_store_rows_at_each_build(model_factory):
         num_actual_tokens=3, max_query_len=1, max_seq_len=40,
         block_table_tensor=torch.tensor([[3, 4], [5, 0], [6, 0]], dtype=torch.int32),
         slot_mapping=torch.arange(3), seq_lens_cpu_upper_bound=seq,
-        req_idx=np.array([15, 12]),  # the third request is CUDA-graph padding
+        req_idx=np.array(slots),  # the third request is CUDA-graph padding
     )
     md = builder.build(0, cam)
     assert md.req_rows.tolist() == [0, 1, 4]
@@ -523,6 +545,46 @@ def test_speculative_decoding_without_draft_attention_only(model_factory, method
             assert PQAttentionImpl(4, 64, 0.125, 2).num_kv_heads == 2
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_speculation_under_async_scheduling_is_refused(model_factory, async_scheduling):
+    """Under async scheduling a verification step's host-side context lengths are an upper
+    bound that counts every draft as accepted (ngram_gpu runs that way by default): the
+    prefill plan would place the step's rows wrongly, so the engine does not start, and
+    says why and what to change. Without async scheduling the lengths are exact."""
+    from vllm.config import set_current_vllm_config
+
+    from vllm_pq_backend.impl import PQAttentionImpl
+
+    vc = vllm_config(model_factory(64, 4, 2), block_size=64, pq={})
+    spec = types.SimpleNamespace(method="ngram_gpu", uses_draft_kv_cache=lambda: False)
+    object.__setattr__(vc, "speculative_config", spec)
+    vc.scheduler_config.async_scheduling = async_scheduling
+    with set_current_vllm_config(vc):
+        if async_scheduling:
+            with pytest.raises(NotImplementedError, match="'ngram_gpu'.*async scheduling.*"
+                               "upper bound.*--no-async-scheduling"):
+                PQAttentionImpl(4, 64, 0.125, 2)
+        else:
+            assert PQAttentionImpl(4, 64, 0.125, 2).num_kv_heads == 2
+
+
+@pytest.mark.parametrize("flag", [dict(enable_dbo=True), dict(ubatch_size=2)])
+def test_micro_batching_is_refused(model_factory, flag):
+    """Dual batch overlap builds two micro-batches' metadata before running them, each on
+    a builder of its own: refused at start-up with the reason and the fix."""
+    from vllm.config import set_current_vllm_config
+
+    from vllm_pq_backend.impl import PQAttentionImpl
+
+    vc = vllm_config(model_factory(64, 4, 2), block_size=64, pq={})
+    for key, value in flag.items():
+        object.__setattr__(vc.parallel_config, key, value)
+    assert vc.parallel_config.use_ubatching
+    with set_current_vllm_config(vc):
+        with pytest.raises(NotImplementedError, match="micro-batched.*--enable-dbo.*without dual"):
+            PQAttentionImpl(4, 64, 0.125, 2)
+
+
 def test_missing_kernels_on_a_gpu_fail_with_the_fix(monkeypatch):
     """No silent fallback: without built kernels on a GPU, a failed just-in-time build is
     an error naming the fix, unless the reference path is asked for."""
@@ -552,79 +614,6 @@ def test_missing_kernels_on_a_gpu_fail_with_the_fix(monkeypatch):
         kernels.load.cache_clear()
 
 
-class _VllmSlots:
-    """vLLM's model runner V2 request slots (gpu/states.py RequestState): a free list
-    popped from the end, freed slots appended, finished requests freed sorted by id."""
-
-    def __init__(self, n):
-        self.free, self.slot_of = list(range(n)), {}
-
-    def add(self, rid):
-        self.slot_of[rid] = self.free.pop()
-
-    def finish(self, rids):
-        for rid in sorted(rids):
-            self.free.append(self.slot_of.pop(rid))
-
-
-def _warmed_up(n_slots, n_warmup):
-    """The slots as serving finds them after vLLM's kernel warm-up (gpu/warmup.py):
-    ``n_warmup`` requests named ``_warmup_{i}_`` run together and are freed by name."""
-    slots = _VllmSlots(n_slots)
-    ids = [f"_warmup_{i}_" for i in range(n_warmup)]
-    for rid in ids:
-        slots.add(rid)
-    warm = [slots.slot_of[r] for r in ids]
-    slots.finish(ids)
-    return slots, warm
-
-
-def test_window_rows_are_never_shared_by_running_requests():
-    """Requests that run together (at most R: the scheduler's admission) hold distinct
-    window rows, whatever order vLLM's start-up left its free slots in, including steps
-    that schedule only some of them (a token budget spent on a long prefill)."""
-    from vllm_pq_backend.metadata import WindowRows
-
-    n_slots, rows = 64, 8
-    slots, warm = _warmed_up(n_slots, 40)
-    assign = WindowRows()
-    assign.assign(np.array(warm), rows)  # the warm-up's own step: more requests than rows
-
-    def from_top(s):  # the mapping this replaced: rows counted from vLLM's top slot
-        return n_slots - 1 - s if n_slots - 1 - s < rows else rows
-
-    rng = np.random.default_rng(0)
-    live, row_of, next_id, top_shared = [], {}, 0, 0
-    for _ in range(3000):
-        done = [r for r in live if rng.random() < 0.15]
-        slots.finish(done)
-        live = [r for r in live if r not in done]
-        while len(live) < rows and rng.random() < 0.7:
-            slots.add(next_id)
-            live.append(next_id)
-            next_id += 1
-        run = [r for r in live if rng.random() < 0.8] or live[:1]
-        if not run:
-            continue
-        got = assign.assign(np.array([slots.slot_of[r] for r in run]), rows)
-        row_of.update(zip(run, got.tolist()))
-        held = [row_of[r] for r in live if r in row_of]
-        assert max(held) < rows and len(set(held)) == len(held), (live, held)
-        top = [from_top(slots.slot_of[r]) for r in live]
-        top_shared += len(set(top)) < len(top)
-    assert next_id > 1000
-    assert top_shared > 100  # the old mapping put running requests on one row
-
-
-def test_window_rows_of_a_dummy_run_and_capacity():
-    from vllm_pq_backend.metadata import WindowRows
-
-    assign = WindowRows()
-    assert assign.assign(np.arange(6), 4).tolist() == [0, 1, 2, 3, 4, 4]  # dummy run of 6
-    assert assign.assign(np.array([2, 9]), 4).tolist() == [2, 0]  # 9 takes slot 0's row
-    assert assign.assign(np.array([9, 2]), 16).tolist() == [0, 1]  # admission settled: anew
-
-
 def test_window_store_lowers_admission_to_fit_its_memory_share(model_factory, monkeypatch):
     """With the default max_num_seqs the store could take more of the memory than the KV
     cache should give it: it gets rows for at most ``window_memory`` of what vLLM has left
@@ -638,8 +627,9 @@ def test_window_store_lowers_admission_to_fit_its_memory_share(model_factory, mo
     assert per_seq == 2 * 2 * 64 * 64 * 2 * 2  # K and V, 2 KV heads, W 64, d 64, bf16, 2 layers
     gib = 1 << 30
     vc.cache_config.gpu_memory_utilization = 0.5
-    mib = 1 << 20  # 4 GiB for vLLM, all but 64 MiB already in use
+    mib = 1 << 20  # 4 GiB for vLLM, all but 64 MiB already held by this engine
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (4 * gib + 64 * mib, 8 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 4 * gib - 64 * mib)
     rows = cfg.window_rows(2, torch.bfloat16, "cuda")
     assert rows == int(0.1 * 64 * mib) // per_seq == 102
     assert vc.scheduler_config.max_num_active_seqs == rows  # what the scheduler admits
@@ -658,6 +648,39 @@ def test_window_store_lowers_admission_to_fit_its_memory_share(model_factory, mo
     vc.scheduler_config.max_num_active_seqs = None
     vc.cache_config.kv_cache_memory_bytes = 256 * mib
     assert cfg.window_rows(2, torch.bfloat16, "cuda") == int(0.1 * 256 * mib) // per_seq == 409
+
+
+def test_admission_never_collapses_silently(model_factory, monkeypatch, caplog):
+    """Memory other processes hold was checked by vLLM against its share at start-up and is
+    not taken from the KV cache again: the window store is sized from what vLLM will give
+    the KV cache (its share less what this engine holds), so a neighbour on the GPU does not
+    shrink admission to one request. Where this engine's own share leaves (next to) nothing,
+    admission collapses to a few requests, and a warning says so with the numbers and the
+    fix."""
+    import logging
+
+    from vllm_pq_backend.engine_config import EngineConfig
+
+    gib = 1 << 30
+    vc = vllm_config(model_factory(64, 4, 2), block_size=64, pq={"window": 64}, max_num_seqs=256)
+    cfg = EngineConfig.of(vc)
+    per_seq = cfg.window_bytes_per_seq(2, torch.bfloat16)
+    vc.cache_config.gpu_memory_utilization = 0.5
+    # another process holds 5 GiB of 8, this engine 1 GiB: vLLM gives the KV cache 3 GiB
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2 * gib, 8 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 1 * gib)
+    with caplog.at_level(logging.WARNING, logger="vllm"):
+        assert cfg.window_rows(2, torch.bfloat16, "cuda") == min(256, int(0.1 * 3 * gib) // per_seq)
+    assert not caplog.records
+    # this engine's weights take its whole share: one request at a time, said with the fix
+    vc.scheduler_config.max_num_active_seqs = None
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 4 * gib + 1)
+    with caplog.at_level(logging.WARNING, logger="vllm"):
+        assert cfg.window_rows(2, torch.bfloat16, "cuda") == 1
+    (msg,) = [r.getMessage() for r in caplog.records]
+    assert "fits only 1 running requests (of max_num_seqs=256)" in msg, msg
+    assert "4.0 GiB this engine holds" in msg and "--max-num-active-seqs N" in msg, msg
+    assert vc.scheduler_config.max_num_active_seqs == 1
 
 
 @pytest.mark.parametrize("total_kv,tp,rank,want", [(8, 2, 1, [4, 5, 6, 7]), (8, 4, 2, [4, 5]),

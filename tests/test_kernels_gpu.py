@@ -548,11 +548,21 @@ def _decode_args(c, **over):
     ("heads", "not a multiple"),
     ("books_shape", "books has shape"),
     ("books_dtype", "books must be"),
+    ("q_misaligned", "q must start 16-byte aligned"),
+    ("cache_misaligned", "kv_cache must start 16-byte aligned"),
+    ("books_misaligned", "books must start 16-byte aligned"),
+    ("win_misaligned", "win_k must start 16-byte aligned"),
 ])
 def test_decode_rejects_bad_inputs(bad, message):
     """Each malformed input is refused before launch, naming the tensor."""
     c = paged_case([40, 300], d=128, m=64, g=2, hkv=2, block=128, dtype=torch.bfloat16,
                    window=128, seed=3)
+
+    def shifted(t, elems):  # t's values at a data pointer ``elems`` elements off alignment
+        flat = torch.empty(t.numel() + 16, dtype=t.dtype, device=t.device)[elems : elems + t.numel()]
+        return flat.view(t.shape).copy_(t)
+
+    q_rows = torch.empty(2, c["q"][0].numel() + 4, dtype=c["q"].dtype, device=DEV)[:, 4:]
     over = {
         "cache_bytes": dict(cache=c["cache"][..., :-1]),
         "q_dtype": dict(q=c["q"].float(), out=torch.empty_like(c["q"].float())),
@@ -565,6 +575,10 @@ def test_decode_rejects_bad_inputs(bad, message):
         "heads": dict(q=c["q"][:, :3], out=torch.empty_like(c["q"][:, :3])),
         "books_shape": dict(books=book_image(c)[:1]),
         "books_dtype": dict(books=book_image(c).to(torch.int16)),
+        "q_misaligned": dict(q=q_rows.copy_(c["q"].flatten(1)).view(c["q"].shape)),
+        "cache_misaligned": dict(cache=shifted(c["cache"], 1)),
+        "books_misaligned": dict(books=shifted(book_image(c), 8)),
+        "win_misaligned": dict(win_k=shifted(c["win_k"], 4)),
     }[bad]
     with pytest.raises(RuntimeError, match=message):
         torch.ops.pq_backend.decode(*_decode_args(c, **over))

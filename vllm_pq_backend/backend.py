@@ -16,6 +16,10 @@ from .layout import BLOCK_ALIGN, PageLayout
 from .metadata import PQMetadataBuilder
 
 SUPPORTED_HEAD_SIZES = (64, 128, 256)
+# The kernels are built for sm_90 only and use its bulk copies (TMA) and mbarriers; the
+# decode kernel's dynamic shared memory at head_dim 128 is 200-218 KiB a block
+# (DecodeCfg::smem_bytes), beyond Ampere's 163 KiB and Ada's 99 KiB.
+SUPPORTED_CAPABILITIES = ((9, 0),)
 
 
 class PQAttentionBackend(AttentionBackend):
@@ -121,6 +125,13 @@ class PQAttentionBackend(AttentionBackend):
             reasons.append(
                 f"{name} stores its own 8-bit codes; use --kv-cache-dtype auto, not "
                 f"{kv_cache_dtype}."
+            )
+        if device_capability is not None and (
+                (device_capability.major, device_capability.minor) not in SUPPORTED_CAPABILITIES):
+            reasons.append(
+                f"{name} needs an NVIDIA GPU of compute capability 9.0 (H100, H200), not "
+                f"{device_capability.major}.{device_capability.minor}: its kernels are built "
+                f"for sm_90 and its decode kernel needs up to 218 KiB of shared memory a block."
             )
         if block_size is not None and block_size % BLOCK_ALIGN:
             reasons.append(

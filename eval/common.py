@@ -90,7 +90,8 @@ def codebook_meta(path):
                 method="plain" if not info.transforms and not cal.get("method") else
                 json.dumps(cal.get("method"), sort_keys=True),
                 calib_text=cal.get("texts"), calib_tokens=cal.get("tokens"),
-                calib_seq_len=cal.get("seq_len"), calib_pack=bool(cal.get("pack")))
+                calib_seq_len=cal.get("seq_len"), calib_pack=bool(cal.get("pack")),
+                calib_samples=cal.get("samples_per_head"))
 
 
 # --- text and perplexity ---------------------------------------------------------------

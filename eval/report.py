@@ -122,6 +122,23 @@ def custom_name(bits_k: int, bits_v: int) -> str:
     return f"CUSTOM K{bits_k}/V{bits_v} ({(bits_k + bits_v) / 2:g} bits)"
 
 
+CALIB_TOKENS, CALIB_SEQ_LEN = 65536, 2048  # calibrate's defaults
+
+
+def calibration(row: dict) -> str:
+    """How a codebook was calibrated, where it is not calibrate's default."""
+    tokens = row.get("calib_tokens") not in (None, CALIB_TOKENS)
+    seqs = row.get("calib_seq_len") not in (None, CALIB_SEQ_LEN) or row.get("calib_pack")
+    if not tokens and not seqs:
+        return ""
+    out = ", calibrated on"
+    if tokens:
+        out += f" {row['calib_tokens'] // 1024}K tokens" + (" in" if seqs else "")
+    if seqs:
+        out += f" {row['calib_seq_len'] // 1024}K-token {'packed ' if row.get('calib_pack') else ''}sequences"
+    return out
+
+
 def quality_configs(rs: list[dict]) -> list[tuple[str, list[dict]]]:
     """(row name, rows by domain) per configuration, in the file's order."""
     out = {}
@@ -129,13 +146,13 @@ def quality_configs(rs: list[dict]) -> list[tuple[str, list[dict]]]:
         if r.get("bits_k") in (None, 16):
             name = r["label"]
         else:
-            name = custom_name(r["bits_k"], r["bits_v"]) + v_training(r)
+            name = custom_name(r["bits_k"], r["bits_v"]) + v_training(r) + calibration(r)
         out.setdefault(name, []).append(r)
     return list(out.items())
 
 
 def is_default(row: dict) -> bool:
-    return not v_training(row).endswith("plain L2")
+    return not v_training(row).endswith("plain L2") and not calibration(row)
 
 
 @table("quality-smollm2")
@@ -592,6 +609,133 @@ def demo() -> str:
     return "\n".join([
         md(["backend", "perplexity", "KV capacity (tokens)", "decode tok/s"], body), "",
         f"`python eval/demo.py`, {prov['device']}, {day(prov['date'])}. " + source("demo.log")])
+
+
+# --- long context ----------------------------------------------------------------------
+
+LONG_REF = "FLASH_ATTN bf16"
+
+
+def long_models() -> dict:
+    return load("long_context.json")["models"]
+
+
+def long_name(e: dict) -> str:
+    """A cache's name by bits per element, as in the other tables."""
+    if e.get("bits_k") in (None, 16):
+        return e["label"]
+    return custom_name(e["bits_k"], e["bits_v"]) + calibration(e)
+
+
+def baseline_bits() -> dict:
+    """Bits per element of the baselines' formats, from the capacity vLLM gave them in the
+    three-domain run (accuracy.json)."""
+    out = {}
+    for r in load("accuracy.json")["rows"]:
+        if r.get("bits_k") in (None, 16):
+            out[r["label"]] = f"{16 * r['bytes_per_token_vs_bf16']:.1f}".removesuffix(".0")
+    return out
+
+
+def long_bits(e: dict, base: dict) -> str:
+    if e.get("bits_k") in (None, 16):
+        return base.get(e["label"], "?")
+    return f"{(e['bits_k'] + e['bits_v']) / 2:g}"
+
+
+def long_cells(sec: dict, e: dict, length: int) -> list[str]:
+    """Retrieval accuracy per task at ``length``: bf16's in %, others' change in points."""
+    out = []
+    for task in ("passkey", "multikey", "verbatim"):
+        r = next((r for r in sec["retrieval"] if r["engine"] == e["label"] and r["task"] == task
+                  and r["length"] == length), None)
+        if r is None:
+            out.append("")
+        elif "delta_points" in r:
+            out.append(f"{r['accuracy']:.1f}% ({r['delta_points']:+.1f})")
+        else:
+            out.append(f"{r['accuracy']:.1f}%")
+    return out
+
+
+def fidelity(sec: dict, e: dict, bucket: str) -> dict | None:
+    return next((r for r in sec["fidelity"]["rows"] if r["engine"] == e["label"] and r["bucket"] == bucket), None)
+
+
+def long_note(sec: dict, model: str) -> str:
+    f = sec["fidelity"]
+    return (f"{model}, {sec['device']}, {day(sec['date'])}: {sec['samples_per_task_length']} "
+            f"prompts per task and length over a haystack of {' + '.join(sec['haystack'])}, the "
+            f"same token ids for every cache (set {sec['prompt_set_sha256']}); fidelity over "
+            f"{f['docs']} documents of {f['tokens_per_doc']:,} tokens of {' + '.join(f['text'])}.")
+
+
+@table("long-context")
+def long_context() -> str:
+    """The README's: each model at its longest length, the default codebooks."""
+    base = baseline_bits()
+    body, notes = [], []
+    for model, sec in long_models().items():
+        longest = max(sec["lengths"])
+        buckets = [r["bucket"] for r in sec["fidelity"]["rows"] if r["engine"] == LONG_REF]
+        first, far = buckets[0], buckets[-1]
+        for e in sec["engines"]:
+            if "error" in e or (e.get("bits_k") not in (None, 16) and calibration(e)):
+                continue
+            ref = e["label"] == LONG_REF
+            f0, f1 = fidelity(sec, e, first), fidelity(sec, e, far)
+            gap = "reference" if ref else f"{pct(f0['delta_pct'])} / {pct(f1['delta_pct'])}"
+            top1 = "" if ref else f"{100 * f1['top1_agreement']:.1f}%"
+            body.append([f"{model}, {longest // 1024}K", long_name(e), long_bits(e, base),
+                         *long_cells(sec, e, longest), gap, top1])
+        notes.append(long_note(sec, model))
+    return "\n".join([
+        md(["model, prompt length", "KV cache", "bits per element", "passkey", "multikey", "verbatim",
+            f"perplexity vs bf16: first / farthest bucket", "top-1 = bf16, farthest bucket"], body), "",
+        "Retrieval: bf16's accuracy, then each cache's with its change in points. " + " ".join(notes)
+        + " " + source("long_context.json")])
+
+
+@table("long-context-retrieval")
+def long_context_retrieval() -> str:
+    out = []
+    for model, sec in long_models().items():
+        cols = [(t, n) for n in sec["lengths"] for t in ("passkey", "multikey", "verbatim")]
+        body = []
+        for e in sec["engines"]:
+            if "error" in e:
+                body.append([long_name(e), "failed: " + e["error"][:60]] + [""] * (len(cols) - 1))
+                continue
+            row = [long_name(e)]
+            for t, n in cols:
+                r = next((r for r in sec["retrieval"] if r["engine"] == e["label"] and r["task"] == t
+                          and r["length"] == n), None)
+                row.append("" if r is None else f"{r['accuracy']:.1f}" if "delta_points" not in r
+                           else f"{r['delta_points']:+.1f}")
+            body.append(row)
+        out += [f"**{model}**", "", md(["KV cache"] + [f"{t} {n // 1024}K" for t, n in cols], body), ""]
+    return "\n".join(out + ["bf16's accuracy in %, then each cache's change in points against it "
+                            "on the same prompts. " + source("long_context.json")])
+
+
+@table("long-context-fidelity")
+def long_context_fidelity() -> str:
+    out = []
+    for model, sec in long_models().items():
+        buckets = [r["bucket"] for r in sec["fidelity"]["rows"] if r["engine"] == LONG_REF]
+        body = []
+        for e in sec["engines"]:
+            if "error" in e:
+                continue
+            row = [long_name(e)]
+            for b in buckets:
+                r = fidelity(sec, e, b)
+                row.append("" if r is None else f"{r['ppl']:.3f}" if "delta_pct" not in r
+                           else f"{pct(r['delta_pct'])}, {100 * r['top1_agreement']:.1f}%")
+            body.append(row)
+        out += [f"**{model}**", "", md(["KV cache"] + buckets, body), "", long_note(sec, model), ""]
+    return "\n".join(out + ["bf16's perplexity per position bucket, then each cache's change "
+                            "against it and its top-1 agreement with bf16. " + source("long_context.json")])
 
 
 # --- the headline ----------------------------------------------------------------------

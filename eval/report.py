@@ -575,7 +575,7 @@ def prefill_fidelity() -> str:
         f"{data['device']}, {day(data['date'])}. " + source("prefill_fidelity.json")])
 
 
-ENTRY_LOGS = {"entrypoints.log": "SmolLM2-135M", "entrypoints_gemma3.log": "Gemma 3 270M"}
+ENTRY_LOGS = {"entrypoints.log": "SmolLM2-135M"}
 
 
 @table("entrypoints")

@@ -51,6 +51,7 @@ class EngineConfig:
         # the running requests' window store rows (metadata.WindowRows), one table for all
         # of this engine's metadata builders, made by the first
         self.window_table = None
+        self._rows: int | None = None  # the window store's rows, once decided (window_rows)
 
     @staticmethod
     def of(vllm_config) -> EngineConfig:
@@ -120,30 +121,27 @@ class EngineConfig:
         KV cache, and then written back as ``max_num_active_seqs`` so that the scheduler,
         which this engine builds after the model, admits no more (metadata.WindowRows gives
         each running request one of these). The user's ``--max-num-active-seqs`` wins. With
-        several workers the scheduler lives in another process: no lowering there. Fewer
-        than ``FEW_ROWS`` rows (when max_num_seqs allows more) is said in a warning with
-        the numbers and the fix."""
+        several workers the scheduler lives in another process: no lowering there. Rows
+        asked for (the user's, or max_num_seqs with several workers) whose store would not
+        fit in that memory are refused with the numbers and the fixes, before allocating.
+        Fewer than ``FEW_ROWS`` rows (when max_num_seqs allows more) is said in a warning
+        with the numbers and the fix."""
         sched = self._scheduler
-        if sched.max_num_active_seqs is not None:  # the user's, or this engine's first layer's
-            return sched.max_num_active_seqs
+        asked = sched.max_num_active_seqs
+        if asked is not None and asked == self._rows:  # settled by this engine's first layer
+            return asked
         cap = sched.max_num_seqs
-        if torch.device(device).type != "cuda" or self._parallel.world_size > 1:
-            return cap
-        if self._cache.kv_cache_memory_bytes:  # the user sized the KV cache: no profile
-            budget = self._cache.kv_cache_memory_bytes
-            source = f"--kv-cache-memory-bytes {budget}"
-        else:
-            # vLLM gives the KV cache gpu_memory_utilization x the GPU's memory less what
-            # this engine holds (gpu_worker.determine_available_memory); other processes'
-            # memory was checked against that share at start-up and is not subtracted
-            # again. The profile's activation peak is still to come: this overestimates.
-            _, total = torch.cuda.mem_get_info(device)
-            held = torch.cuda.memory_reserved(device)
-            util = self._cache.gpu_memory_utilization
-            budget = util * total - held
-            source = (f"gpu_memory_utilization {util:g} x {total / 2**30:.1f} GiB less the "
-                      f"{held / 2**30:.1f} GiB this engine holds")
+        lower = asked is None and self._parallel.world_size == 1
+        if torch.device(device).type != "cuda":
+            return cap if asked is None else asked
+        budget, source = self._kv_cache_budget(device)
         per_seq = self.window_bytes_per_seq(num_kv_heads, dtype)
+        if not lower:
+            rows = cap if asked is None else asked
+            if rows * per_seq > budget:
+                raise ValueError(self._no_fit_message(rows, per_seq, budget, source))
+            self._rows = rows
+            return rows
         rows = max(1, min(cap, int(self.window_memory * max(budget, 0)) // per_seq))
         if rows < min(cap, FEW_ROWS):
             logger.warning(
@@ -155,8 +153,35 @@ class EngineConfig:
                 "memory (--gpu-memory-utilization).",
                 rows, cap, self.window_memory, budget / 2**30, source, per_seq / 2**20, rows,
                 per_seq / 2**20)
-        sched.max_num_active_seqs = rows
+        sched.max_num_active_seqs = self._rows = rows
         return rows
+
+    def _kv_cache_budget(self, device) -> tuple[float, str]:
+        """Bytes vLLM will give the KV cache on ``device``, and how that was found."""
+        if self._cache.kv_cache_memory_bytes:  # the user sized the KV cache: no profile
+            budget = self._cache.kv_cache_memory_bytes
+            return budget, f"--kv-cache-memory-bytes {budget}"
+        # vLLM gives the KV cache gpu_memory_utilization x the GPU's memory less what this
+        # engine holds (gpu_worker.determine_available_memory); other processes' memory
+        # was checked against that share at start-up and is not subtracted again. The
+        # profile's activation peak is still to come: this overestimates.
+        _, total = torch.cuda.mem_get_info(device)
+        held = torch.cuda.memory_reserved(device)
+        util = self._cache.gpu_memory_utilization
+        return util * total - held, (f"gpu_memory_utilization {util:g} x {total / 2**30:.1f} "
+                                     f"GiB less the {held / 2**30:.1f} GiB this engine holds")
+
+    def _no_fit_message(self, asked: int, per_seq: int, budget: float, source: str) -> str:
+        share = int(self.window_memory * max(budget, 0)) // per_seq  # as lowering picks
+        what = ("--max-num-active-seqs" if self._scheduler.max_num_active_seqs is not None
+                else f"max_num_seqs with {self._parallel.world_size} workers")
+        fix = (f"Set --max-num-active-seqs {share} (the store then takes window_memory "
+               f"{self.window_memory:g} of it), a smaller" if share else "Set a smaller")
+        return (f"vllm_pq_backend: the window store cannot fit: {asked} rows ({what}) x "
+                f"{per_seq / 2**20:.2f} MiB per row (window {self.window}) = "
+                f"{asked * per_seq / 2**30:.2f} GiB, but vLLM has {budget / 2**30:.2f} GiB "
+                f"for the KV cache ({source}). {fix} window in --additional-config "
+                f"'{{\"pq\": {{\"window\": ...}}}}', or raise --gpu-memory-utilization.")
 
     @property
     def max_num_seqs(self) -> int:

@@ -537,6 +537,9 @@ def test_speculative_decoding_without_draft_attention_only(model_factory, method
     vc = vllm_config(model_factory(64, 4, 2), block_size=64, pq={})
     spec = types.SimpleNamespace(method=method, uses_draft_kv_cache=lambda: draft_kv)
     object.__setattr__(vc, "speculative_config", spec)
+    # as vLLM resolves it for these methods (VllmConfig: async scheduling only with EAGLE,
+    # MTP, draft models and ngram_gpu); the async case is the next test's
+    vc.scheduler_config.async_scheduling = False
     with set_current_vllm_config(vc):
         if draft_kv:
             with pytest.raises(NotImplementedError, match=f"not '{method}'"):

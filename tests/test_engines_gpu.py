@@ -2,6 +2,8 @@
 engines with different M and window alive in one process stay independent. Needs a GPU."""
 
 
+import re
+
 import pytest
 import torch
 
@@ -97,21 +99,31 @@ def test_ngram_speculation_keeps_greedy_outputs(tmp_path, monkeypatch, window):
     assert accepted and accepted[0] > 0
 
 
-def test_gpu_ngram_under_async_scheduling_is_refused_with_the_reason(tmp_path, monkeypatch):
+def test_gpu_ngram_under_async_scheduling_is_refused_with_the_reason(tmp_path):
     """ngram_gpu runs under async scheduling by default, where the host knows verification
     steps' context lengths only as an upper bound: the engine does not start, and says why
-    and what to change."""
-    from vllm import LLM
+    and what to change. In a process of its own: an engine that fails half-built leaves
+    GPU memory and distributed state behind, which would upset the next engine's memory
+    profile in this one."""
+    import os
+    import subprocess
+    import sys
 
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     model = tiny_model(tmp_path / "model", head_dim=64)
     books = random_codebooks(str(tmp_path / "a.safetensors"), model, 32, seed=1)
-    with pytest.raises(Exception, match="async scheduling.*upper bound.*--no-async-scheduling"):
-        LLM(model=model, attention_backend="CUSTOM", enforce_eager=True, max_model_len=512,
-            gpu_memory_utilization=0.15, max_num_seqs=8, seed=0,
-            additional_config={"pq": {"codebooks": books, "window": 32}},
-            speculative_config={"method": "ngram_gpu", "num_speculative_tokens": 3,
-                                "prompt_lookup_min": 2, "prompt_lookup_max": 4})
+    code = (
+        "from vllm import LLM\n"
+        f"LLM(model={str(model)!r}, attention_backend='CUSTOM', enforce_eager=True, "
+        "max_model_len=512, gpu_memory_utilization=0.15, max_num_seqs=8, seed=0, "
+        f"additional_config={{'pq': {{'codebooks': {books!r}, 'window': 32}}}}, "
+        "speculative_config={'method': 'ngram_gpu', 'num_speculative_tokens': 3, "
+        "'prompt_lookup_min': 2, 'prompt_lookup_max': 4})\n"
+    )
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode != 0
+    assert re.search(r"async scheduling.*upper bound.*--no-async-scheduling", run.stderr), run.stderr[-3000:]
 
 
 def test_window_rows_after_vllms_kernel_warm_up(tmp_path, monkeypatch):

@@ -176,28 +176,24 @@ def quality_smollm2() -> str:
         + source("accuracy.json")])
 
 
-@table("quality-gemma3")
-def quality_gemma3() -> str:
-    data = load("accuracy_gemma3.json")
-    domains = [d for d in DOMAINS if d in data["eval_text"]]
+@table("conversion")
+def conversion() -> str:
+    data = load("conversion_check.json")
+    prov = data["provenance"]
     body = []
-    for name, rs in quality_configs([r for r in data["rows"] if "error" not in r]):
-        by = {r["eval_text"]: r for r in rs}
-        base = name.startswith("FLASH_ATTN")
-        cells = [f"{by[d]['ppl']:.2f}" if base else pct(by[d]["delta_pct"]) for d in domains]
-        cap = f"{rs[0]['kv_cache_tokens']:,}"
-        body.append([name, cap, *cells, f"{100 * rs[0]['greedy_agreement_vs_bf16']:.1f}%"])
-    for r in data["rows"]:
-        if "error" in r:
-            why = ("vLLM has no attention backend for it with this model"
-                   if "No valid attention backend" in r["error"] else r["error"][:80])
-            body.append([r["label"], why] + [""] * (len(domains) + 1))
+    for m in data["models"]:
+        docs = m["tokenization_documents"]
+        body.append([m["model"], m["gguf"], f"{m['tokens']:,}", f"{m['ppl_llama_cpp']:.3f}",
+                     f"{m['ppl_bf16']:.3f}", f"{100 * (m['ppl_ratio'] - 1):+.2f}%",
+                     f"{100 * m['top1_agreement']:.1f}%", f"{docs['equal']} of {docs['compared']}",
+                     "passed" if m["passed"] else "failed"])
     return "\n".join([
-        md(["KV cache", "KV capacity (tokens)", *domains, "greedy = bf16"], body), "",
-        f"{data['rows'][0]['model']} (a bf16 conversion of a Q4_K_M GGUF), {data['device']}, "
-        f"{day(data['date'])}; {data['docs_per_domain']} documents per domain cut at "
-        f"{data['max_len']} tokens; greedy agreement over {data['greedy']}. "
-        + source("accuracy_gemma3.json")])
+        md(["model", "GGUF", "scored tokens", "perplexity, llama.cpp", "perplexity, bf16 folder",
+            "bf16 vs llama.cpp", "top-1 agreement", "documents tokenized alike", "check"], body), "",
+        f"{data['compute']}; llama-cpp-python {prov['llama_cpp_python']}, transformers "
+        f"{prov['transformers']}, {prov['device']}, {day(prov['date'])}. The check passes at a "
+        "perplexity within 2%, top-1 agreement of at least 95% and every document tokenized "
+        "alike. " + source("conversion_check.json")])
 
 
 SIM_LABELS = {

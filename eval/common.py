@@ -94,6 +94,25 @@ def codebook_meta(path):
                 calib_samples=cal.get("samples_per_head"))
 
 
+CALIB_TOKENS, CALIB_SEQ_LEN = 65536, 2048  # calibrate's defaults
+
+
+def calibration(meta: dict) -> str:
+    """How a codebook file was calibrated (codebook_meta's fields), where it is not
+    calibrate's default: ", calibrated on 512K tokens in 8K-token packed sequences", or ""."""
+    tokens = meta.get("calib_tokens") not in (None, CALIB_TOKENS)
+    seqs = meta.get("calib_seq_len") not in (None, CALIB_SEQ_LEN) or meta.get("calib_pack")
+    if not tokens and not seqs:
+        return ""
+    out = ", calibrated on"
+    if tokens:
+        out += f" {meta['calib_tokens'] // 1024}K tokens" + (" in" if seqs else "")
+    if seqs:
+        pack = "packed " if meta.get("calib_pack") else ""
+        out += f" {meta['calib_seq_len'] // 1024}K-token {pack}sequences"
+    return out
+
+
 # --- text and perplexity ---------------------------------------------------------------
 
 

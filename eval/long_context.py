@@ -40,7 +40,7 @@ import subprocess
 import sys
 import time
 
-from common import codebook_meta, provenance  # eval/ is the script's directory
+from common import calibration, codebook_meta, provenance  # eval/ is the script's directory
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # read the engine's KV size
 
@@ -306,12 +306,8 @@ def retrieval_rows(label: str, res: dict, samples, ref_correct: dict | None) -> 
 
 
 def engine_label(meta: dict, window: int) -> str:
-    """CUSTOM by bits per element, window, and calibration sequence length where not the default."""
-    label = f"CUSTOM K{meta['bits_k']}/V{meta['bits_v']} bits W={window}"
-    seq, pack = meta.get("calib_seq_len"), meta.get("calib_pack")
-    if seq in (None, 2048) and not pack:
-        return label
-    return f"{label}, calibrated on {seq // 1024}K-token {'packed ' if pack else ''}sequences"
+    """CUSTOM by bits per element and window, and its calibration where not the default."""
+    return f"CUSTOM K{meta['bits_k']}/V{meta['bits_v']} bits W={window}" + calibration(meta)
 
 
 def plot(section: dict, path: str) -> None:

@@ -26,6 +26,8 @@ import re
 import sys
 from pathlib import Path
 
+from common import calibration  # eval/ is the script's directory
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "eval" / "results"
 DOCUMENTS = ("README.md", "docs/results.md")
@@ -122,32 +124,19 @@ def custom_name(bits_k: int, bits_v: int) -> str:
     return f"CUSTOM K{bits_k}/V{bits_v} ({(bits_k + bits_v) / 2:g} bits)"
 
 
-CALIB_TOKENS, CALIB_SEQ_LEN = 65536, 2048  # calibrate's defaults
-
-
-def calibration(row: dict) -> str:
-    """How a codebook was calibrated, where it is not calibrate's default."""
-    tokens = row.get("calib_tokens") not in (None, CALIB_TOKENS)
-    seqs = row.get("calib_seq_len") not in (None, CALIB_SEQ_LEN) or row.get("calib_pack")
-    if not tokens and not seqs:
-        return ""
-    out = ", calibrated on"
-    if tokens:
-        out += f" {row['calib_tokens'] // 1024}K tokens" + (" in" if seqs else "")
-    if seqs:
-        out += f" {row['calib_seq_len'] // 1024}K-token {'packed ' if row.get('calib_pack') else ''}sequences"
-    return out
+def cache_name(row: dict) -> str:
+    """A row's KV cache: a baseline's label, or CUSTOM by bits per element with how its
+    codebooks were trained and calibrated where that is not the default."""
+    if row.get("bits_k") in (None, 16):
+        return row["label"]
+    return custom_name(row["bits_k"], row["bits_v"]) + v_training(row) + calibration(row)
 
 
 def quality_configs(rs: list[dict]) -> list[tuple[str, list[dict]]]:
     """(row name, rows by domain) per configuration, in the file's order."""
     out = {}
     for r in rs:
-        if r.get("bits_k") in (None, 16):
-            name = r["label"]
-        else:
-            name = custom_name(r["bits_k"], r["bits_v"]) + v_training(r) + calibration(r)
-        out.setdefault(name, []).append(r)
+        out.setdefault(cache_name(r), []).append(r)
     return list(out.items())
 
 
@@ -617,13 +606,6 @@ def long_models() -> dict:
     return load("long_context.json")["models"]
 
 
-def long_name(e: dict) -> str:
-    """A cache's name by bits per element, as in the other tables."""
-    if e.get("bits_k") in (None, 16):
-        return e["label"]
-    return custom_name(e["bits_k"], e["bits_v"]) + calibration(e)
-
-
 def baseline_bits() -> dict:
     """Bits per element of the baselines' formats, from the capacity vLLM gave them in the
     three-domain run (accuracy.json)."""
@@ -644,8 +626,7 @@ def long_cells(sec: dict, e: dict, length: int) -> list[str]:
     """Retrieval accuracy per task at ``length``: bf16's in %, others' change in points."""
     out = []
     for task in ("passkey", "multikey", "verbatim"):
-        r = next((r for r in sec["retrieval"] if r["engine"] == e["label"] and r["task"] == task
-                  and r["length"] == length), None)
+        r = retrieval(sec, e, task, length)
         if r is None:
             out.append("")
         elif "delta_points" in r:
@@ -653,6 +634,11 @@ def long_cells(sec: dict, e: dict, length: int) -> list[str]:
         else:
             out.append(f"{r['accuracy']:.1f}%")
     return out
+
+
+def retrieval(sec: dict, e: dict, task: str, length: int) -> dict | None:
+    return next((r for r in sec["retrieval"] if r["engine"] == e["label"] and r["task"] == task
+                 and r["length"] == length), None)
 
 
 def fidelity(sec: dict, e: dict, bucket: str) -> dict | None:
@@ -683,7 +669,7 @@ def long_context() -> str:
             f0, f1 = fidelity(sec, e, first), fidelity(sec, e, far)
             gap = "reference" if ref else f"{pct(f0['delta_pct'])} / {pct(f1['delta_pct'])}"
             top1 = "" if ref else f"{100 * f1['top1_agreement']:.1f}%"
-            body.append([f"{model}, {longest // 1024}K", long_name(e), long_bits(e, base),
+            body.append([f"{model}, {longest // 1024}K", cache_name(e), long_bits(e, base),
                          *long_cells(sec, e, longest), gap, top1])
         notes.append(long_note(sec, model))
     return "\n".join([
@@ -701,12 +687,11 @@ def long_context_retrieval() -> str:
         body = []
         for e in sec["engines"]:
             if "error" in e:
-                body.append([long_name(e), "failed: " + e["error"][:60]] + [""] * (len(cols) - 1))
+                body.append([cache_name(e), "failed: " + e["error"][:60]] + [""] * (len(cols) - 1))
                 continue
-            row = [long_name(e)]
+            row = [cache_name(e)]
             for t, n in cols:
-                r = next((r for r in sec["retrieval"] if r["engine"] == e["label"] and r["task"] == t
-                          and r["length"] == n), None)
+                r = retrieval(sec, e, t, n)
                 row.append("" if r is None else f"{r['accuracy']:.1f}" if "delta_points" not in r
                            else f"{r['delta_points']:+.1f}")
             body.append(row)
@@ -724,7 +709,7 @@ def long_context_fidelity() -> str:
         for e in sec["engines"]:
             if "error" in e:
                 continue
-            row = [long_name(e)]
+            row = [cache_name(e)]
             for b in buckets:
                 r = fidelity(sec, e, b)
                 row.append("" if r is None else f"{r['ppl']:.3f}" if "delta_pct" not in r

@@ -94,6 +94,42 @@ def codebook_meta(path):
                 calib_samples=cal.get("samples_per_head"))
 
 
+# --- servers --------------------------------------------------------------------------
+
+
+def wait_healthy(port: int, proc, timeout: float) -> float | None:
+    """Seconds until the server on ``port`` answers /health with 200; None if its process
+    ``proc`` exits or ``timeout`` passes first."""
+    import time
+    import urllib.request
+
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            return None
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return time.time() - t0
+        except OSError:
+            pass
+        time.sleep(1)
+    return None
+
+
+def gpu_apps() -> dict[int, int] | None:
+    """{pid: MiB} of the compute processes nvidia-smi lists; None without nvidia-smi."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                             timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {int(p): int(m) for p, m in (line.split(",") for line in out.splitlines() if line.strip())}
+
+
+# --- codebooks ---------------------------------------------------------------------------
+
 CALIB_TOKENS, CALIB_SEQ_LEN = 65536, 2048  # calibrate's defaults
 
 

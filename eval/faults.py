@@ -27,7 +27,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -35,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 import requests
 
-from common import codebook_meta, provenance, write_result
+from common import codebook_meta, gpu_apps, provenance, wait_healthy, write_result
 
 PROMPTS = [
     "The capital of France is", "Water boils at a temperature of", "The first law of motion says",
@@ -61,18 +60,13 @@ def serve(a, log_path, extra=()):
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def wait_healthy(a, proc) -> float:
-    t0 = time.time()
-    while time.time() - t0 < a.start_timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode} before /health was OK")
-        try:
-            if requests.get(f"{url(a)}/health", timeout=2).status_code == 200:
-                return time.time() - t0
-        except requests.RequestException:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"/health not OK within {a.start_timeout} s")
+def healthy(a, proc) -> float:
+    """Seconds until the server is healthy; an error naming why it is not."""
+    seconds = wait_healthy(a.port, proc, a.start_timeout)
+    if seconds is None:
+        raise RuntimeError(f"the server exited with {proc.returncode} before /health was OK"
+                           if proc.poll() is not None else f"/health not OK within {a.start_timeout} s")
+    return seconds
 
 
 def url(a) -> str:
@@ -105,17 +99,6 @@ def stop(proc, timeout=30):
     except ProcessLookupError:
         pass
     proc.wait()
-
-
-def gpu_pids():
-    """{pid: MiB} of the processes nvidia-smi lists, or None without nvidia-smi."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
-                              "--format=csv,noheader,nounits"], capture_output=True, text=True,
-                             timeout=30, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return {int(p): float(m) for p, m in (line.split(",") for line in out.splitlines() if line.strip())}
 
 
 def running(pid) -> bool:
@@ -152,7 +135,7 @@ def case_kill(a, base) -> dict:
                         "identical greedy outputs")
     proc = serve(a, base + ".kill.log")
     try:
-        res["start_seconds"] = round(wait_healthy(a, proc), 1)
+        res["start_seconds"] = round(healthy(a, proc), 1)
         print(f"healthy after {res['start_seconds']} s; reference outputs", flush=True)
         ref = references(a)
         tree = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
@@ -180,12 +163,12 @@ def case_kill(a, base) -> dict:
         res["requests"] = dict(Counter(f"{o['ended']}:{o['kind']}" for o in outcomes))
         alive = [p for p in tree if running(p)]
         res["tree_alive_after_exit"] = alive
-        gpu = gpu_pids()
+        gpu = gpu_apps()
         for _ in range(10):  # the driver lets go of a dead process's memory shortly after
             if not gpu or not set(gpu) & set(tree):
                 break
             time.sleep(1)
-            gpu = gpu_pids()
+            gpu = gpu_apps()
         res["gpu_apps_after_exit"] = gpu if gpu is None else {str(k): v for k, v in gpu.items()}
         res["orphaned_gpu_pids"] = None if gpu is None else sorted(set(gpu) & set(tree))
         for p in alive:  # ours: leave nothing behind for the restart
@@ -199,7 +182,7 @@ def case_kill(a, base) -> dict:
     print("restart", flush=True)
     proc = serve(a, base + ".restart.log")
     try:
-        res["restart_seconds"] = round(wait_healthy(a, proc), 1)
+        res["restart_seconds"] = round(healthy(a, proc), 1)
         again = references(a)
     finally:
         stop(proc)

@@ -674,7 +674,7 @@ def long_context() -> str:
         notes.append(long_note(sec, model))
     return "\n".join([
         md(["model, prompt length", "KV cache", "bits per element", "passkey", "multikey", "verbatim",
-            f"perplexity vs bf16: first / farthest bucket", "top-1 = bf16, farthest bucket"], body), "",
+            "perplexity vs bf16: first / farthest bucket", "top-1 = bf16, farthest bucket"], body), "",
         "Retrieval: bf16's accuracy, then each cache's with its change in points. " + " ".join(notes)
         + " " + source("long_context.json")])
 

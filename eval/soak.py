@@ -30,9 +30,8 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 
-from common import codebook_meta, provenance
+from common import codebook_meta, gpu_apps, provenance, wait_healthy
 
 REFERENCE = [f"Write a short note about {t}." for t in (
     "the water cycle", "binary search", "the French revolution", "photosynthesis",
@@ -63,18 +62,14 @@ def gpu_memory_mib(root_pid: int) -> tuple[int, str]:
     its engine core), or of the whole GPU where nvidia-smi does not show their pids."""
     import psutil
 
-    def smi(*q):
-        return subprocess.run(["nvidia-smi", *q, "--format=csv,noheader,nounits"],
-                              capture_output=True, text=True, check=True).stdout
-
     root = psutil.Process(root_pid)
     pids = {root_pid, *(c.pid for c in root.children(recursive=True))}
-    used = [line.split(",") for line in smi("--query-compute-apps=pid,used_memory").splitlines()
-            if line.strip()]
-    mine = [int(m) for pid, m in used if int(pid) in pids]
+    mine = [m for pid, m in (gpu_apps() or {}).items() if pid in pids]
     if mine:
         return sum(mine), "server processes"
-    return int(smi("--query-gpu=memory.used").split()[0]), "whole GPU"
+    whole = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                           capture_output=True, text=True, check=True).stdout
+    return int(whole.split()[0]), "whole GPU"
 
 
 def codebook_file(args) -> str | None:
@@ -98,21 +93,6 @@ def capacity_lines(log_path: str) -> list[str]:
     keys = ("KV cache size:", "vllm_pq_backend:")
     with open(log_path, errors="replace") as f:
         return [line.split("] ", 1)[-1].strip() for line in f if any(k in line for k in keys)][:4]
-
-
-def wait_healthy(port: int, proc, timeout: float) -> bool:
-    end = time.time() + timeout
-    while time.time() < end:
-        if proc.poll() is not None:
-            return False
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return True
-        except OSError:
-            pass
-        time.sleep(1)
-    return False
 
 
 async def complete(session, url, model, prompt, max_tokens, stream, temperature=0.0,
@@ -229,7 +209,7 @@ def soak(args, backend: str, port: int) -> dict:
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     row = dict(backend=backend, command=" ".join(cmd))
     try:
-        if not wait_healthy(port, proc, 600):
+        if wait_healthy(port, proc, 600) is None:
             return dict(row, error="server did not become healthy", exited=proc.poll())
         row["capacity"] = capacity_lines(log_path)
         alone = asyncio.run(alone_outputs(args, port))
@@ -249,7 +229,7 @@ def soak(args, backend: str, port: int) -> dict:
             done.set()
             sampler.join()
         row["seconds"] = round(time.time() - start, 1)
-        row["healthy_after"] = wait_healthy(port, proc, 30)
+        row["healthy_after"] = wait_healthy(port, proc, 30) is not None
         row["gpu_mib_after"] = gpu_memory_mib(proc.pid)[0]
         row["gpu_mib_series"] = series
         # growth over the second half: the first fills vLLM's and PyTorch's caches

@@ -207,17 +207,26 @@ def vllm_config_of_caller():
     from vllm.config import VllmConfig, get_current_vllm_config_or_none
 
     vc = get_current_vllm_config_or_none()
-    frame = sys._getframe(1)
-    while vc is None and frame is not None:
-        loc = frame.f_locals
-        for cand in (loc.get("vllm_config"), getattr(loc.get("self"), "vllm_config", None)):
-            if isinstance(cand, VllmConfig):
-                vc = cand
-                break
-        frame = frame.f_back
+    for loc in callers_locals() if vc is None else ():
+        found = [c for c in (loc.get("vllm_config"), getattr(loc.get("self"), "vllm_config", None))
+                 if isinstance(c, VllmConfig)]
+        if found:
+            vc = found[0]
+            break
     if vc is None:
         raise RuntimeError(
             "vllm_pq_backend: no vLLM config is current and no caller holds one; the "
             "backend's page size depends on the engine's codebooks"
         )
     return vc
+
+
+def callers_locals():
+    """The local variables of the frames above the caller, innermost first. vLLM hands a
+    backend no handle on its engine at two calls (the page size, ``vllm_config_of_caller``;
+    the metadata builder's construction, ``metadata.runner_requests``); the engine's own
+    frames up the stack hold what they need. The one place the package reads the stack."""
+    frame = sys._getframe(2)  # 0: this generator, 1: its consumer, 2: the consumer's caller
+    while frame is not None:
+        yield frame.f_locals
+        frame = frame.f_back

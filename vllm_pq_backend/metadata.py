@@ -3,7 +3,6 @@ the step's plans (plans.py)."""
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -21,7 +20,7 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
 from . import cuda_ops, plans
 from .codes_attention import CodesShape
-from .engine_config import EngineConfig
+from .engine_config import EngineConfig, callers_locals
 from .plans import DecodePlan, PrefillGroup
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler, see __init__
@@ -102,12 +101,10 @@ def runner_requests():
     """The request table (``req_states``) of the vLLM model runner that is building the
     caller, found up the stack: vLLM builds metadata builders from its model runner's
     ``initialize_kv_cache`` and hands them no handle on it. None if no caller has one."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        table = getattr(frame.f_locals.get("self"), "req_states", None)
+    for loc in callers_locals():
+        table = getattr(loc.get("self"), "req_states", None)
         if hasattr(table, "index_to_req_id") and hasattr(table, "req_id_to_index"):
             return table
-        frame = frame.f_back
     return None
 
 

@@ -49,7 +49,9 @@ def test_max_num_seqs_of_several_workers_beyond_the_kv_memory_is_refused(model_f
     vc, cfg = _engine(model_factory, monkeypatch, max_num_seqs=1024)  # 64 MiB of store
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 4 * GIB - 32 * MIB)
     object.__setattr__(vc.parallel_config, "world_size", 2)
-    with pytest.raises(ValueError, match=r"1024 rows \(max_num_seqs with 2 workers\).*"
+    object.__setattr__(vc.parallel_config, "distributed_executor_backend", "mp")
+    with pytest.raises(ValueError, match=r"1024 rows \(max_num_seqs, with the scheduler apart "
+                                         r"from the worker \(mp executor\)\).*"
                                          r"= 0\.06 GiB, but vLLM has 0\.03 GiB"):
         cfg.window_rows(2, torch.bfloat16, "cuda")
     assert vc.scheduler_config.max_num_active_seqs is None
@@ -71,3 +73,15 @@ def test_rows_are_checked_once_per_engine(model_factory, monkeypatch):
     assert cfg.window_rows(2, torch.bfloat16, "cuda") == 8000
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 3.6 * GIB)
     assert cfg.window_rows(2, torch.bfloat16, "cuda") == 8000
+
+
+def test_data_parallel_workers_are_not_lowered(model_factory, monkeypatch):
+    """Data parallelism runs each engine's single worker in a process of its own (the "mp"
+    executor), whose copy of max_num_active_seqs the scheduler never reads: rows written
+    there would let the scheduler admit requests the store has no rows for. So the rows
+    stay max_num_seqs, checked against the memory like the user's."""
+    vc, cfg = _engine(model_factory, monkeypatch, max_num_seqs=1024)  # 64 MiB of store
+    object.__setattr__(vc.parallel_config, "distributed_executor_backend", "mp")
+    assert vc.parallel_config.world_size == 1
+    assert cfg.window_rows(2, torch.bfloat16, "cuda") == 1024
+    assert vc.scheduler_config.max_num_active_seqs is None

@@ -120,18 +120,22 @@ class EngineConfig:
         so that the store takes at most ``window_memory`` of the memory vLLM will give the
         KV cache, and then written back as ``max_num_active_seqs`` so that the scheduler,
         which this engine builds after the model, admits no more (metadata.WindowRows gives
-        each running request one of these). The user's ``--max-num-active-seqs`` wins. With
-        several workers the scheduler lives in another process: no lowering there. Rows
-        asked for (the user's, or max_num_seqs with several workers) whose store would not
-        fit in that memory are refused with the numbers and the fixes, before allocating.
-        Fewer than ``FEW_ROWS`` rows (when max_num_seqs allows more) is said in a warning
+        each running request one of these). The user's ``--max-num-active-seqs`` wins.
+        Where the worker is not in the scheduler's process (several workers, or data
+        parallelism's one worker under the "mp" executor) nothing is lowered. Rows asked for
+        (the user's, or max_num_seqs where nothing is lowered) whose store would not fit in
+        that memory are refused with the numbers and the fixes, before allocating. Fewer
+        than ``FEW_ROWS`` rows (when max_num_seqs allows more) is said in a warning
         with the numbers and the fix."""
         sched = self._scheduler
         asked = sched.max_num_active_seqs
         if asked is not None and asked == self._rows:  # settled by this engine's first layer
             return asked
         cap = sched.max_num_seqs
-        lower = asked is None and self._parallel.world_size == 1
+        # the scheduler reads the lowered rows only where the worker is its own process
+        # (the "uni" executor); data parallelism runs each engine's worker apart ("mp")
+        lower = (asked is None and self._parallel.world_size == 1
+                 and self._parallel.distributed_executor_backend in (None, "uni"))
         if torch.device(device).type != "cuda":
             return cap if asked is None else asked
         budget, source = self._kv_cache_budget(device)
@@ -174,7 +178,8 @@ class EngineConfig:
     def _no_fit_message(self, asked: int, per_seq: int, budget: float, source: str) -> str:
         share = int(self.window_memory * max(budget, 0)) // per_seq  # as lowering picks
         what = ("--max-num-active-seqs" if self._scheduler.max_num_active_seqs is not None
-                else f"max_num_seqs with {self._parallel.world_size} workers")
+                else f"max_num_seqs, with the scheduler apart from the worker "
+                     f"({self._parallel.distributed_executor_backend} executor)")
         fix = (f"Set --max-num-active-seqs {share} (the store then takes window_memory "
                f"{self.window_memory:g} of it), a smaller" if share else "Set a smaller")
         return (f"vllm_pq_backend: the window store cannot fit: {asked} rows ({what}) x "

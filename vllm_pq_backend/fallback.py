@@ -62,7 +62,7 @@ def decode(out, query, key, value, kv_cache, md, st, scale: float) -> None:
         query[:nd], key[:nd], value[:nd], kv_cache, st.k_cb32, st.v_cb32, st.layout,
         md.query_start_loc_cpu[: nd + 1].tolist(), md.seq_lens_cpu[:nd].tolist(),
         md.block_table[:nd], scale, w, st.win_k, st.win_v,
-        md.req_rows_cpu[:nd] if w > 0 else None, st.sliding_window,
+        md.req_rows_cpu[:nd] if w > 0 else None, st.sliding_window, st.sinks,
     )
     out[:nd] = res.to(out.dtype)
 
@@ -72,6 +72,6 @@ def prefill(plan: FallbackPlan, out, q, k, v, kv_cache, st, scale: float) -> Non
     res = reference.attention(
         q, k, v, kv_cache, st.k_cb32, st.v_cb32, st.layout, plan.query_start_loc,
         plan.seq_lens, plan.block_table, scale, st.window, st.win_k, st.win_v, plan.rows,
-        st.sliding_window,
+        st.sliding_window, st.sinks,
     )
     out.copy_(res.to(out.dtype))

@@ -63,6 +63,10 @@ class LayerState:
         self.layout = PageLayout(cfg.block_size, cfg.m_k, cfg.m_v)
         self.window = cfg.window
         self.sliding_window = impl.sliding_window
+        self.sinks = impl.sinks
+        if self.sinks is not None and self.kernels:
+            raise NotImplementedError("The CUSTOM (PQ) backend's CUDA kernels do not take "
+                                      "attention sinks yet.")
         self.win_k = self.win_v = None
         if self.window > 0:
             rows = cfg.window_rows(impl.num_kv_heads, dtype, device) + 1  # + the scratch row
@@ -120,6 +124,10 @@ class PQAttentionImpl(AttentionImpl[PQMetadata]):
         self.kv_cache_dtype = kv_cache_dtype
         # vLLM's convention: query i reads keys j > i - sliding_window (0: every key)
         self.sliding_window = int(sliding_window or 0)
+        # [num_heads] learned logits of this rank's query heads (gpt-oss): the model's
+        # parameter itself, in its dtype, so that weights loaded (or reloaded) after this
+        # constructor are what attention reads
+        self.sinks = kwargs.get("sinks")
 
         from vllm.config import get_current_vllm_config
 

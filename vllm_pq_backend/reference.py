@@ -119,6 +119,18 @@ def merge(o1, lse1, o2, lse2):
     return (o1.float() * w1 + o2.float() * w2) / (w1 + w2)
 
 
+def add_sink(o, lse, sinks):
+    """A softmax result ``o [n, H, d]`` with LSE ``lse [H, n]`` (natural log) with each
+    head's sink logit ``sinks [H]`` (gpt-oss) joined to its denominator: ``merge`` with a
+    part of value zero and LSE ``sinks[h]``. Returns ``(out fp32, lse)``, the LSE with the
+    sink counted, so that the result can still be merged with parts that do not count it.
+    Partials over disjoint keys are sink-free and merged first, then this once per row
+    (each partial counting the sink would give it their number of times its weight); a
+    sink of -inf returns ``o`` unchanged."""
+    s = sinks.float().view(-1, 1).expand_as(lse)
+    return merge(o, lse, torch.zeros_like(o), s), torch.logaddexp(lse, s)
+
+
 def map_rows(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``x [n, heads, d]`` through the codebooks' maps ``t [maps, d, d]`` (fp32; head ``h``
     uses map ``h // (heads // maps)``): ``x[r, h] @ t[...]``, back in ``x``'s dtype."""
@@ -154,6 +166,7 @@ def attention(
     win_v: torch.Tensor | None = None,
     rows: list[int] | None = None,
     sliding_window: int = 0,
+    sinks: torch.Tensor | None = None,  # [Hq] per-head sink logits (add_sink)
 ) -> torch.Tensor:
     """Causal attention where key ``j`` is read at full precision by query ``i`` iff
     ``j >= window_start(i, window)``, and through its codes otherwise; with
@@ -161,7 +174,8 @@ def attention(
     convention), the rest of the history (freed pages) is never looked at. A query that
     reads a non-finite key or value (as stored: codes marked ``NAN_CODE``, or window
     rows) gets NaN for that KV head's query heads; one that does not read it is not
-    touched by it."""
+    touched by it. ``sinks``: each query head's logit that joins every row's softmax
+    denominator once, with no value (add_sink)."""
     n, hq, d = query.shape
     hkv = key.shape[1]
     g = hq // hkv
@@ -212,7 +226,10 @@ def attention(
         o = torch.einsum("hgqk,khd->qhgd", p * ~exact, v_hat)
         o = o + torch.einsum("hgqk,khd->qhgd", p * exact, v_fp)
         o[reads_bad.any(1)] = float("nan")  # [q, Hkv] rows
-        out[qs:qe] = o.reshape(-1, hq, d)
+        o = o.reshape(-1, hq, d)
+        if sinks is not None:
+            o = add_sink(o, torch.logsumexp(s, dim=-1).reshape(hq, -1), sinks)[0]
+        out[qs:qe] = o
     return out
 
 
@@ -232,7 +249,8 @@ def codes_part(
     """The part of ``attention`` read through codes, as a partial softmax: each row at
     position ``i`` over its request's keys ``j < window_start(i, window)`` (and ``j > i -
     sliding_window``). Returns ``(out [n, Hq, d] fp32, lse [Hq, n])`` (natural log); a row
-    that reads no key gets 0 and -inf, one that reads a NaN-marked key NaN."""
+    that reads no key gets 0 and -inf, one that reads a NaN-marked key NaN. Sink-free:
+    attention sinks join once the parts are merged (add_sink)."""
     n, hq, d = query.shape
     hkv = k_cb.shape[0]
     g = hq // hkv

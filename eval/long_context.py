@@ -513,14 +513,19 @@ def main() -> int:
 
 
 def save(path: str, name: str, section: dict) -> None:
-    """``section`` as model ``name``'s in ``path``, other models' sections kept."""
-    data = json.load(open(path)) if os.path.exists(path) else {}
-    models = data.get("models", {})
-    models[name] = dict(section, fidelity=dict(section["fidelity"], rows=section["fidelity_rows"]))
-    models[name].pop("fidelity_rows")
+    """``section`` as model ``name``'s in ``path``, other models' sections kept (runs of
+    other models may finish at the same time: the file is read and written under a lock)."""
+    import fcntl
+
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(dict(models=models), f, indent=1)
+    with open(path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        data = json.load(open(path)) if os.path.exists(path) else {}
+        models = data.get("models", {})
+        models[name] = dict(section, fidelity=dict(section["fidelity"], rows=section["fidelity_rows"]))
+        models[name].pop("fidelity_rows")
+        with open(path, "w") as f:
+            json.dump(dict(models=models), f, indent=1)
 
 
 if __name__ == "__main__":

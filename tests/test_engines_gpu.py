@@ -2,6 +2,7 @@
 engines with different M and window alive in one process stay independent. Needs a GPU."""
 
 
+import gc
 import re
 
 import pytest
@@ -12,6 +13,20 @@ from test_calibrate import tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 PROMPTS = ["the quick brown fox", "vllm serves tokens while a lazy dog", "over the lazy"]
+
+
+def settle():
+    """Free what dropped engines hold now: vLLM fails an engine's start-up if GPU memory is
+    freed while it profiles, as a collector pass over a dead engine's cycles would do."""
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+@pytest.fixture(autouse=True)
+def _settled():
+    settle()
+    yield
+    settle()
 
 
 def engine(model, books, window, eager=True):
@@ -40,6 +55,7 @@ def test_two_engines_with_different_m_in_one_process(tmp_path, monkeypatch):
         llm = engine(model, books, window)
         alone[name] = greedy(llm)
         del llm
+        settle()
     assert alone["a"] != alone["b"]  # the settings differ enough to tell them apart
     a = engine(model, a_books, 128)
     b = engine(model, b_books, 0)  # built while a is alive
@@ -63,6 +79,7 @@ def test_window_store_smaller_than_max_num_seqs_caps_admission(tmp_path, monkeyp
               **common)
     want = greedy(one)
     del one
+    settle()
     capped = LLM(max_num_seqs=8, **common, additional_config={
         "pq": {"codebooks": books, "window": 128, "window_memory": 1e-9}})
     assert capped.llm_engine.engine_core.engine_core.scheduler.max_num_active_reqs == 1
@@ -89,6 +106,7 @@ def test_ngram_speculation_keeps_greedy_outputs(tmp_path, monkeypatch, window):
     plain = LLM(**common)
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, sp, use_tqdm=False)]
     del plain
+    settle()
     spec = LLM(**common, disable_log_stats=False, speculative_config={
         "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
         "prompt_lookup_max": 4})
@@ -163,6 +181,7 @@ def test_cuda_graph_engine_pads_steps_and_matches_eager(tmp_path, monkeypatch):
     eager = engine(model, books, 32)
     want = greedy(eager)
     del eager
+    settle()
     llm = engine(model, books, 32, eager=False)
     mode = llm.llm_engine.vllm_config.compilation_config.cudagraph_mode
     assert mode != CUDAGraphMode.NONE

@@ -129,18 +129,29 @@ class Sim:
         return o.transpose(0, 1)[None].to(q.dtype), None
 
 
+BUCKETS = (0, 2048, 4096, 8192, 16384, 32768)  # position buckets of --long
+
+
 def perplexity(model, docs, sim, device):
+    """(perplexity, scored tokens, {position bucket: [perplexity, tokens]}), buckets by the
+    position of the predicted token."""
     rotary = model.model.rotary_emb
-    nll, n = 0.0, 0
+    nll, pos = [], []
     with torch.inference_mode():
         for ids in docs:
             x = torch.tensor([ids], device=device)
             cos, sin = rotary(torch.zeros(1, device=device), torch.arange(len(ids), device=device)[None])
             sim.rope = (cos[0].float(), sin[0].float())
             lp = torch.log_softmax(model(x).logits[0, :-1].float(), -1)
-            nll -= lp.gather(1, x[0, 1:, None]).sum().item()
-            n += len(ids) - 1
-    return math.exp(nll / n), n
+            nll.append(-lp.gather(1, x[0, 1:, None])[:, 0].cpu().double())
+            pos.append(torch.arange(1, len(ids)))
+    nll, pos = torch.cat(nll), torch.cat(pos)
+    buckets = {}
+    for lo, hi in zip(BUCKETS, BUCKETS[1:]):
+        sel = (pos >= lo) & (pos < hi)
+        if sel.any():
+            buckets[f"{lo // 1024}-{hi // 1024}K"] = [math.exp(nll[sel].mean().item()), int(sel.sum())]
+    return math.exp(nll.mean().item()), len(nll), buckets
 
 
 def main() -> int:
@@ -159,6 +170,10 @@ def main() -> int:
                    help="also score with only each group of this many layers quantized")
     p.add_argument("--docs", type=int, default=64, help="documents per domain")
     p.add_argument("--max-len", type=int, default=2048)
+    p.add_argument("--long", action="store_true", help="score --docs sequences of --max-len "
+                   "tokens each, documents joined (packed, from each file's start), and report "
+                   "perplexity by position (0-2K, 2-4K, 4-8K, ...): how the error grows with "
+                   "distance")
     p.add_argument("--tokens", type=int, default=65536, help="calibration tokens")
     p.add_argument("--samples", type=int, default=32768)
     p.add_argument("--niter", type=int, default=Method.niter)
@@ -177,7 +192,9 @@ def main() -> int:
     for spec in a.eval:
         name, path = spec.split("=", 1)
         paths[name] = os.path.abspath(path)
-        domains[name] = load_docs(path, tok, a.max_len, a.docs)
+        domains[name] = (calibrate.token_sequences(tok, calibrate.read_documents([path]), a.max_len,
+                                                   a.docs * a.max_len, pack=True)[: a.docs]
+                         if a.long else load_docs(path, tok, a.max_len, a.docs))
     if a.configs and not a.calib:
         p.error("--configs trains codebooks: give --calib TEXT")
     seqs = calibrate.token_sequences(tok, calibrate.read_documents(a.calib), a.max_len, a.tokens,
@@ -193,9 +210,10 @@ def main() -> int:
     AttentionInterface.register(Sim.NAME, sim)
     model.config._attn_implementation = Sim.NAME
     base = {name: perplexity(model, docs, sim, dev) for name, docs in domains.items()}
-    for name, (ppl, n) in base.items():
+    for name, (ppl, n, _) in base.items():
         print(f"bf16 {name}: ppl {ppl:.4f} over {n} tokens", flush=True)
-    rows = [dict(method="bf16", eval_text=name, ppl=ppl, tokens=n) for name, (ppl, n) in base.items()]
+    rows = [dict(method="bf16", eval_text=name, ppl=ppl, tokens=n, **({"buckets": b} if a.long else {}))
+            for name, (ppl, n, b) in base.items()]
     stamp = dict(provenance(None if dev.startswith("cuda") else "cpu"), model=a.model,
                  calib_text=a.calib, calib_tokens=total, capture_seconds=round(capture_s, 1),
                  calib_samples=a.samples, shuffle_docs=a.shuffle_docs,
@@ -220,7 +238,7 @@ def main() -> int:
             for part, layers in variants:
                 sim.parts, sim.layers = part, layers
                 for name, docs in domains.items():
-                    ppl, n = perplexity(model, docs, sim, dev)
+                    ppl, n, buckets = perplexity(model, docs, sim, dev)
                     rows.append(dict(
                         method=cname, bits_k=8 * mk // d, bits_v=8 * mv // d, m_k=mk, m_v=mv,
                         window=w, pre_rope=pre, quantized=part,
@@ -229,9 +247,14 @@ def main() -> int:
                         delta_pct=round(100 * (ppl / base[name][0] - 1), 3),
                         train_seconds=train_s, method_params=method,
                         rel_mse_k=books.get("rel_mse_k"), rel_mse_v=books.get("rel_mse_v")))
+                    if a.long:  # [perplexity, tokens, change against bf16 in %] per bucket
+                        rows[-1]["buckets"] = {k: [p_, t, round(100 * (p_ / base[name][2][k][0] - 1), 3)]
+                                               for k, (p_, t) in buckets.items()}
                     print(f"{cname:24s} K{8 * mk // d}/V{8 * mv // d} W={w:4d} {part:2s} "
                           f"{rows[-1]['layers']:5s} {name:8s}: ppl {ppl:.4f} "
-                          f"({rows[-1]['delta_pct']:+.2f}%)", flush=True)
+                          f"({rows[-1]['delta_pct']:+.2f}%)"
+                          + "".join(f"; {k} {v[2]:+.2f}%" for k, v in rows[-1].get("buckets", {}).items()),
+                          flush=True)
         with open(a.out, "w") as f:  # after every configuration: a cut run keeps its rows
             json.dump(dict(stamp, rows=rows), f, indent=1)
 

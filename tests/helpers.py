@@ -72,7 +72,7 @@ def vllm_config(model_dir, *, block_size, pq, max_num_seqs=16, max_model_len=204
         model=model_dir, dtype="bfloat16", max_model_len=max_model_len,
         skip_tokenizer_init=True,
     )
-    return VllmConfig(
+    vc = VllmConfig(
         model_config=mc,
         cache_config=CacheConfig(block_size=block_size),
         scheduler_config=SchedulerConfig(
@@ -81,6 +81,10 @@ def vllm_config(model_dir, *, block_size, pq, max_num_seqs=16, max_model_len=204
         ),
         additional_config={"pq": pq},
     )
+    # one worker in the scheduler's process, as a single-GPU engine runs: vLLM's CPU
+    # platform (the tests without a GPU) would make it "mp"
+    object.__setattr__(vc.parallel_config, "distributed_executor_backend", "uni")
+    return vc
 
 
 class RequestTable:

@@ -91,36 +91,6 @@ def test_gpus_the_kernels_do_not_support_are_refused():
         assert f"not {major}.{minor}" in reason and "9.0 (H100, H200)" in reason, reason
 
 
-def test_readme_lists_every_rejection():
-    """The README's table of what is rejected at start-up (the paragraph that introduces it
-    and the table after it) names everything the backend refuses: each "does not support X"
-    of validate_configuration (every feature flag it knows on at once) and of the impl."""
-    import inspect
-    import re
-
-    from vllm_pq_backend import impl
-    from vllm_pq_backend.backend import PQAttentionBackend
-
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
-    intro, rejected = readme.split("Unsupported, rejected at start-up")[1].split("\n\n")[:2]
-    assert rejected.startswith("| rejected | why |"), rejected[:80]
-    listed = " ".join((intro + " " + rejected).split())
-    flags = re.findall(r'"(use_\w+)"', inspect.getsource(PQAttentionBackend.validate_configuration))
-    reasons = PQAttentionBackend.validate_configuration(**dict(
-        GOOD, use_mla=True, use_sparse=True, has_sink=True, use_mm_prefix=True,
-        **{f: True for f in flags}))
-    refused = [m.group(1) for r in reasons for m in [re.search(r"does not support (.+?)(?: \(|\.$)", r)] if m]
-    assert len(refused) == len(flags) + 4, reasons
-    impl_src = inspect.getsource(impl.PQAttentionImpl.__init__)
-    refused += [n for n in re.findall(r'"([^"]+)": ', impl_src.split("unsupported = {")[1].split("}")[0])
-                if not n.startswith("attention type")]
-    missing = [x for x in refused if x.replace(" models", "") not in listed]
-    assert not missing, missing
-    for phrase in ("decoder self-attention only", "64/128/256", "fp32 activations",
-                   "`--kv-cache-dtype`s", "multiple of 32"):
-        assert phrase in listed, phrase
-
-
 def test_customize_spec_sizes_pages_from_codebooks(model_factory):
     from vllm.config import set_current_vllm_config
     from vllm.v1.kv_cache_interface import FullAttentionSpec

@@ -1,4 +1,4 @@
-"""The README's support matrix ("What is supported") against the backend's start-up checks.
+"""The support matrix (docs/support.md) against the backend's start-up checks.
 
 Each row names a model family or feature and its status: "supported and tested",
 "supported, not yet tested" or "refused: <the error's words>". Every row has settings here
@@ -35,7 +35,7 @@ from vllm_pq_backend import impl as impl_module
 from vllm_pq_backend.backend import PQAttentionBackend
 from vllm_pq_backend.layout import supported_m
 
-README = os.path.join(os.path.dirname(__file__), "..", "README.md")
+MATRIX = os.path.join(os.path.dirname(__file__), "..", "docs", "support.md")
 HEADER = "| model family or feature | status | evidence, or why |"
 SUPPORTED = ("supported and tested", "supported, not yet tested")
 LAYER = types.SimpleNamespace(layer_name="model.layers.0.self_attn.attn")
@@ -56,8 +56,8 @@ KV_SHARING = {"kv_sharing_target_layer_name": "model.layers.0.self_attn.attn"}
 
 
 def matrix() -> dict[str, tuple[str, str]]:
-    """The README's rows: {model family or feature: (status, evidence or why)}."""
-    table = open(README).read().split(HEADER + "\n")[1].split("\n\n")[0].splitlines()[1:]
+    """The matrix's rows: {model family or feature: (status, evidence or why)}."""
+    table = open(MATRIX).read().split(HEADER + "\n")[1].split("\n\n")[0].splitlines()[1:]
     cells = [[c.strip() for c in line.strip()[1:-1].split("|")] for line in table]
     assert all(len(c) == 3 for c in cells), [c for c in cells if len(c) != 3]
     labels = [c[0] for c in cells]
@@ -208,7 +208,7 @@ def test_every_row_has_checks_and_a_status():
     rows = matrix()
     assert sorted(rows) == sorted(CHECKS), (
         f"rows without checks here: {sorted(set(rows) - set(CHECKS))}; "
-        f"checks without a README row: {sorted(set(CHECKS) - set(rows))}")
+        f"checks without a row in docs/support.md: {sorted(set(CHECKS) - set(rows))}")
     for label, (status, _) in rows.items():
         assert status in SUPPORTED or re.fullmatch(r"refused: \S.*", status), (label, status)
 
@@ -216,7 +216,7 @@ def test_every_row_has_checks_and_a_status():
 @pytest.mark.parametrize("row", CHECKS)
 def test_row(start, row):
     rows = matrix()
-    assert row in rows, f"the README has no row {row!r}"
+    assert row in rows, f"docs/support.md has no row {row!r}"
     status, _ = rows[row]
     for setting in CHECKS[row]:
         got = start(setting)

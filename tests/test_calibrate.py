@@ -208,3 +208,40 @@ def test_capture_reproduces_sliding_window_attention():
     err = (got - want).abs().amax() / want.abs().amax()
     assert err < 1e-4, err
     assert all(len(st.k) == 1 for st in cap.layers)  # both layers recorded
+
+
+def test_capture_in_query_blocks_gives_the_same_statistics():
+    """KVCapture computes attention a block of queries at a time (memory grows with the
+    sequence, not its square): blocks of 7 queries give the forward, the attention mass of
+    every sampled key and the query metric that one block over the whole sequence gives."""
+    from transformers import AttentionInterface, Gemma3ForCausalLM, Gemma3TextConfig
+
+    from vllm_pq_backend.calibrate import KVCapture
+
+    cfg = Gemma3TextConfig(vocab_size=300, hidden_size=64, intermediate_size=128,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=64, sliding_window=8, query_pre_attn_scalar=64,
+                           layer_types=["sliding_attention", "full_attention"],
+                           attn_implementation="eager")
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(cfg).eval()
+    ids = torch.randint(3, 300, (1, 40))
+    runs = []
+    for block in (40, 7):
+        cap = KVCapture(2, keep_fraction=0.5, seed=0, window=16)
+        cap.query_block = block
+        AttentionInterface.register(KVCapture.NAME, cap)
+        model.config._attn_implementation = KVCapture.NAME
+        with torch.no_grad():
+            cap.new_sequence(1, sink_pass=True)
+            model(ids[:, :1])
+            cap.new_sequence(40)
+            runs.append((model(ids).logits, cap.layers))
+    (want, whole), (got, blocks) = runs
+    assert (got - want).abs().amax() <= 1e-5 * want.abs().amax()
+    for a, b in zip(whole, blocks):
+        assert torch.equal(a.rows("k"), b.rows("k"))  # the same keys sampled
+        x, y = a.rows("mass"), b.rows("mass")
+        assert ((x - y).abs() <= 1e-5 * x.abs().amax()).all()
+        assert ((a.qa - b.qa).abs() <= 1e-5 * a.qa.abs().amax()).all()
+        assert a.rows("mass").sum() > 0  # keys read through codes were seen

@@ -285,6 +285,9 @@ class LayerStats:
         return torch.cat(getattr(self, name)).float()
 
 
+QUERY_BLOCK = 2048  # queries per attention block in KVCapture
+
+
 class KVCapture:
     """A transformers attention function that records what calibration needs, then
     computes the attention itself (from the probabilities it already has).
@@ -303,6 +306,7 @@ class KVCapture:
         self.window = window
         self.pre_rope = pre_rope
         self.rows: torch.Tensor | None = None
+        self.query_block = QUERY_BLOCK
         self.rope: tuple | None = None  # (cos, sin) [T, d] of the current sequence
         self.sink_pass = False
 
@@ -326,21 +330,35 @@ class KVCapture:
         kr, vr = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)
         scale = scaling if scaling is not None else d**-0.5
         pos = torch.arange(t, device=q.device)
-        causal = pos.view(1, -1) <= pos.view(-1, 1)
-        if sliding_window:
-            causal &= pos.view(1, -1) > pos.view(-1, 1) - sliding_window
-        p = (q @ kr.transpose(1, 2) * scale).masked_fill(~causal, float("-inf")).softmax(-1)
-        out = (p @ vr).transpose(0, 1)[None].to(query.dtype)  # [1, T, Hq, d]
+        out = torch.empty_like(q)  # [Hq, T, d]
+        mass = torch.zeros(hq, t, device=q.device)  # attention each key received as codes
+        qa = torch.zeros(hq, d, d, device=q.device)
+        # queries in blocks, so that memory grows with T x block, not T^2: long sequences
+        # (--seq-len up to the model's context) calibrate in bounded memory
+        for lo in range(0, t, self.query_block):
+            i = pos[lo : lo + self.query_block].view(-1, 1)
+            causal = pos.view(1, -1) <= i
+            if sliding_window:
+                causal &= pos.view(1, -1) > i - sliding_window
+            s = q[:, lo : lo + len(i)] @ kr.transpose(1, 2) * scale
+            p = s.masked_fill(~causal, float("-inf")).softmax(-1)  # [Hq, b, T]
+            out[:, lo : lo + len(i)] = p @ vr
+            if self.sink_pass:
+                continue
+            coded = pos.view(1, -1) < window_start(i.view(-1), self.window).view(-1, 1)
+            if st.sink is not None:
+                coded[:, 0] = False
+            pc = p * coded
+            mass += pc.sum(1)
+            share = pc.sum(2)  # [Hq, b] each query's attention to coded keys
+            qb = q[:, lo : lo + len(i)]
+            qa += torch.einsum("hi,hid,hie->hde", share, qb, qb)
+        out = out.transpose(0, 1)[None].to(query.dtype)  # [1, T, Hq, d]
         if self.sink_pass:
             st.sink = (k[:, 0].cpu(), v[:, 0].cpu())
             return out, None
-        coded = pos.view(1, -1) < window_start(pos, self.window).view(-1, 1)  # [i, j]
-        if st.sink is not None:
-            coded[:, 0] = False
-        pc = p * coded
-        mass = pc.sum(1).view(hkv, g, t).sum(1)  # [Hkv, T] attention received as codes
-        share = pc.sum(2)  # [Hq, T] each query's attention to coded keys
-        qa = torch.einsum("hi,hid,hie->hde", share, q, q).view(hkv, g, d, d).sum(1)
+        mass = mass.view(hkv, g, t).sum(1)  # [Hkv, T]
+        qa = qa.view(hkv, g, d, d).sum(1)
         st.qa = qa.double().cpu() if st.qa is None else st.qa + qa.double().cpu()
         if st.og is None and hasattr(module, "o_proj"):
             w = module.o_proj.weight.float().view(-1, hkv, g, d)  # [hidden, Hkv, g, d]

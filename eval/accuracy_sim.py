@@ -25,7 +25,7 @@ import time
 from dataclasses import asdict, replace
 
 import torch
-from common import load_docs, provenance
+from common import codebook_meta, load_docs, provenance
 
 from vllm_pq_backend import calibrate, codebooks
 from vllm_pq_backend.calibrate import Method, rotate_half
@@ -216,7 +216,8 @@ def main() -> int:
             for name, (ppl, n, b) in base.items()]
     stamp = dict(provenance(None if dev.startswith("cuda") else "cpu"), model=a.model,
                  calib_text=a.calib, calib_tokens=total, capture_seconds=round(capture_s, 1),
-                 calib_samples=a.samples, shuffle_docs=a.shuffle_docs,
+                 calib_samples=a.samples, shuffle_docs=a.shuffle_docs, max_len=a.max_len,
+                 docs_per_domain=a.docs, packed_docs=a.long,
                  eval_text=paths,
                  note="simulation in transformers; 'ppl_bf16' is the same run unquantized")
 
@@ -268,7 +269,10 @@ def main() -> int:
                 books[key].append(val)
         books = {key: None if val[0] is None else torch.stack(val) for key, val in books.items()}
         cal = codebooks.calibration_of(info)
+        done = len(rows)
         score(path, books, info.m_k, info.m_v, False, cal, None, bool(cal.get("pinned_bos_sink")))
+        for r in rows[done:]:
+            r["codebook_sha256"] = codebook_meta(path)["codebook_sha256"]
     for bits in a.bits:
         bk, bv = (int(x) for x in bits.split("/"))
         mk, mv = bk * d // 8, bv * d // 8

@@ -700,6 +700,34 @@ def long_context_retrieval() -> str:
                             "on the same prompts. " + source("long_context.json")])
 
 
+@table("long-calibration-sim")
+def long_calibration_sim() -> str:
+    """Perplexity by position with codebooks calibrated on short and on long sequences, by
+    simulation (accuracy_sim.py --long): where the error past 2K tokens comes from."""
+    data = load("long_calibration_sim.json")
+    ref = next(r for r in data["rows"] if r["method"] == "bf16")
+    buckets = list(ref["buckets"])
+    body = [["bf16 (reference)", *[f"{ref['buckets'][b][0]:.3f}" for b in buckets]]]
+    for r in data["rows"]:
+        if r["method"] == "bf16":
+            continue
+        c = r["method_params"]
+        pack = "packed " if c.get("pack") else ""
+        body.append([f"K{r['bits_k']}/V{r['bits_v']} bits W={r['window']}, calibrated on "
+                     f"{c['tokens'] // 1024}K tokens in {c['seq_len'] // 1024}K-token {pack}sequences",
+                     *[pct(r["buckets"][b][2]) for b in buckets]])
+    return "\n".join([
+        md(["codebooks", *[f"positions {b}" for b in buckets]], body), "",
+        f"Simulation in transformers (`eval/accuracy_sim.py --long`: K and V read as the backend "
+        f"reads them), SmolLM2-135M, {data['device']}, {day(data['date'])}: bf16's perplexity "
+        f"by the position of the predicted token, then each set of codebooks' change against "
+        f"it, over {ref['tokens']:,} tokens of kernel.jsonl joined into documents of "
+        f"{data['max_len']:,} tokens. Both sets were trained with the same settings "
+        f"({data['rows'][1]['method_params']['samples_per_head']:,} samples per head, "
+        f"{data['rows'][1]['method_params']['method']['niter']} k-means iterations) on the "
+        f"same text. " + source("long_calibration_sim.json")])
+
+
 @table("long-context-fidelity")
 def long_context_fidelity() -> str:
     out = []

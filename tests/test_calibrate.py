@@ -52,7 +52,12 @@ def test_calibrate_writes_valid_codebooks(tmp_path, capsys):
     assert tk.shape == (2, 2, 32, 32) and torch.linalg.matrix_rank(tk[0, 0]) == 32
     assert meta["documents"] == 2 and 500 < meta["tokens"] <= 1500 and len(meta["rel_mse_k"]) == 2
     assert info.transforms == ("k_transform", "v_transform")
-    assert "wrote" in capsys.readouterr().out
+    got = capsys.readouterr()
+    assert "wrote" in got.out
+    # 256-token sequences of a model with 4096 positions: the user is told that longer
+    # contexts lose accuracy, and what to run instead
+    assert "the longest sequence is 256 tokens of the model's 4096" in got.err
+    assert "--seq-len N --pack" in got.err
 
 
 def test_calibrate_k4_v2(tmp_path, capsys):

@@ -762,7 +762,8 @@ def _run(args, parser) -> int:
     from transformers import AutoConfig
 
     try:
-        d = head_dim_of(AutoConfig.from_pretrained(args.model, local_files_only=True))
+        hf = AutoConfig.from_pretrained(args.model, local_files_only=True)
+        d = head_dim_of(hf)
     except (OSError, ValueError, KeyError, AttributeError) as e:
         raise CalibrationError(f"--model {args.model}: its config.json is not a transformers "
                                f"model config ({_first_line(e)})") from None
@@ -781,6 +782,15 @@ def _run(args, parser) -> int:
     if total < NUM_CENTROIDS:
         raise CalibrationError(f"{' '.join(args.text)} gives {total} tokens in sequences of "
                                f"{MIN_TOKENS} or more; k-means needs {NUM_CENTROIDS}")
+    context = getattr(hf.get_text_config(), "max_position_embeddings", None)
+    longest = max(map(len, seqs))
+    if context and longest < context:
+        # keys are coded after RoPE: past the positions calibration saw they rotate where
+        # the codebooks have no centroids, and the error grows with distance
+        print(f"calibrate: warning: the longest sequence is {longest} tokens of the model's "
+              f"{context}; served past position {longest}, these codebooks lose accuracy "
+              f"with distance (docs/results.md, long context). For long contexts calibrate "
+              f"with --seq-len N --pack, N the longest context you serve", file=sys.stderr)
     cfg, model = load_weights(args.model, args.dtype, args.device)
     print(f"calibration: {docs.count} documents, {len(seqs)} sequences, {total} tokens, "
           f"{describe_m(d, m, m_v)}, device {args.device}", flush=True)

@@ -29,6 +29,19 @@ def tiny_model(path, head_dim=32):
     return str(path)
 
 
+def tiny_gemma3():
+    """A random Gemma 3 text model: one sliding-window layer (window 8), one full layer."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(vocab_size=300, hidden_size=64, intermediate_size=128,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=64, sliding_window=8, query_pre_attn_scalar=64,
+                           layer_types=["sliding_attention", "full_attention"],
+                           attn_implementation="eager")
+    torch.manual_seed(0)
+    return Gemma3ForCausalLM(cfg).eval()
+
+
 def test_calibrate_writes_valid_codebooks(tmp_path, capsys):
     model = tiny_model(tmp_path / "model")
     text = tmp_path / "docs"
@@ -191,17 +204,11 @@ def test_capture_reproduces_sliding_window_attention():
     """The capture stands in for the model's attention during calibration: on a tiny Gemma 3
     (one sliding-window layer, window 8, one full layer) its forward equals the eager one,
     so the statistics come from the model as it really runs."""
-    from transformers import AttentionInterface, Gemma3ForCausalLM, Gemma3TextConfig
+    from transformers import AttentionInterface
 
     from vllm_pq_backend.calibrate import KVCapture
 
-    cfg = Gemma3TextConfig(vocab_size=300, hidden_size=64, intermediate_size=128,
-                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                           head_dim=64, sliding_window=8, query_pre_attn_scalar=64,
-                           layer_types=["sliding_attention", "full_attention"],
-                           attn_implementation="eager")
-    torch.manual_seed(0)
-    model = Gemma3ForCausalLM(cfg).eval()
+    model = tiny_gemma3()
     ids = torch.randint(3, 300, (1, 40))
     with torch.no_grad():
         want = model(ids).logits
@@ -219,17 +226,11 @@ def test_capture_in_query_blocks_gives_the_same_statistics():
     """KVCapture computes attention a block of queries at a time (memory grows with the
     sequence, not its square): blocks of 7 queries give the forward, the attention mass of
     every sampled key and the query metric that one block over the whole sequence gives."""
-    from transformers import AttentionInterface, Gemma3ForCausalLM, Gemma3TextConfig
+    from transformers import AttentionInterface
 
     from vllm_pq_backend.calibrate import KVCapture
 
-    cfg = Gemma3TextConfig(vocab_size=300, hidden_size=64, intermediate_size=128,
-                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                           head_dim=64, sliding_window=8, query_pre_attn_scalar=64,
-                           layer_types=["sliding_attention", "full_attention"],
-                           attn_implementation="eager")
-    torch.manual_seed(0)
-    model = Gemma3ForCausalLM(cfg).eval()
+    model = tiny_gemma3()
     ids = torch.randint(3, 300, (1, 40))
     runs = []
     for block in (40, 7):

@@ -25,7 +25,7 @@ import time
 from dataclasses import asdict, replace
 
 import torch
-from common import codebook_meta, load_docs, provenance
+from common import POSITION_BUCKETS, bucket_name, codebook_meta, load_docs, provenance
 
 from vllm_pq_backend import calibrate, codebooks
 from vllm_pq_backend.calibrate import Method, rotate_half
@@ -129,9 +129,6 @@ class Sim:
         return o.transpose(0, 1)[None].to(q.dtype), None
 
 
-BUCKETS = (0, 2048, 4096, 8192, 16384, 32768)  # position buckets of --long
-
-
 def perplexity(model, docs, sim, device):
     """(perplexity, scored tokens, {position bucket: [perplexity, tokens]}), buckets by the
     position of the predicted token."""
@@ -147,10 +144,10 @@ def perplexity(model, docs, sim, device):
             pos.append(torch.arange(1, len(ids)))
     nll, pos = torch.cat(nll), torch.cat(pos)
     buckets = {}
-    for lo, hi in zip(BUCKETS, BUCKETS[1:]):
+    for lo, hi in POSITION_BUCKETS:
         sel = (pos >= lo) & (pos < hi)
         if sel.any():
-            buckets[f"{lo // 1024}-{hi // 1024}K"] = [math.exp(nll[sel].mean().item()), int(sel.sum())]
+            buckets[bucket_name(lo, hi)] = [math.exp(nll[sel].mean().item()), int(sel.sum())]
     return math.exp(nll.mean().item()), len(nll), buckets
 
 
@@ -271,8 +268,9 @@ def main() -> int:
         cal = codebooks.calibration_of(info)
         done = len(rows)
         score(path, books, info.m_k, info.m_v, False, cal, None, bool(cal.get("pinned_bos_sink")))
+        digest = codebook_meta(path)["codebook_sha256"]
         for r in rows[done:]:
-            r["codebook_sha256"] = codebook_meta(path)["codebook_sha256"]
+            r["codebook_sha256"] = digest
     for bits in a.bits:
         bk, bv = (int(x) for x in bits.split("/"))
         mk, mv = bk * d // 8, bv * d // 8

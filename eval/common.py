@@ -152,6 +152,14 @@ def calibration(meta: dict) -> str:
 # --- text and perplexity ---------------------------------------------------------------
 
 
+# position buckets of the long-context measurements: (first, last + 1) token positions
+POSITION_BUCKETS = ((0, 2048), (2048, 4096), (4096, 8192), (8192, 16384), (16384, 32768))
+
+
+def bucket_name(lo: int, hi: int) -> str:
+    return f"{lo // 1024}-{hi // 1024}K"
+
+
 def load_docs(path, tokenizer, max_len, n_docs):
     """``n_docs`` documents of a .jsonl file ({"text": ...} per line) spread evenly over
     it (its order is by topic), BOS first, cut at ``max_len`` tokens."""

@@ -40,7 +40,8 @@ import subprocess
 import sys
 import time
 
-from common import calibration, codebook_meta, provenance  # eval/ is the script's directory
+from common import (POSITION_BUCKETS, bucket_name, calibration,  # eval/ is the script's directory
+                    codebook_meta, provenance)
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # read the engine's KV size
 
@@ -51,7 +52,6 @@ BASELINES = {  # name -> LLM(...) arguments
 }
 REFERENCE = "FLASH_ATTN bf16"
 TASKS = ("passkey", "multikey", "verbatim")
-BUCKETS = ((0, 2048), (2048, 4096), (4096, 8192), (8192, 16384), (16384, 32768))
 ANSWER_ROOM = 64  # tokens a prompt leaves below its nominal length for the answer
 TOKENIZE_SLACK = 0.05
 MAX_TOKENS = {"passkey": 16, "multikey": 16, "verbatim": 24}
@@ -78,10 +78,6 @@ PASSKEY_INTRO = ("There is an important piece of information hidden inside a lot
 MULTIKEY_INTRO = ("Some special magic numbers are hidden inside the following text. Make sure to "
                   "memorize them. I will quiz you about one of them.")
 VERBATIM_INTRO = "Read the following text carefully. Parts of it will be quoted again later."
-
-
-def bucket_name(lo: int, hi: int) -> str:
-    return f"{lo // 1024}-{hi // 1024}K"
 
 
 def read_paragraphs(paths: list[str]) -> list[str]:
@@ -263,7 +259,7 @@ def run_engine(kw: dict, args, docs, samples) -> dict:
 
 def fidelity_rows(label: str, res: dict, ref: dict | None) -> list[dict]:
     rows = []
-    for lo, hi in BUCKETS:
+    for lo, hi in POSITION_BUCKETS:
         nll, agree, count, ref_nll = 0.0, 0, 0, 0.0
         for d, doc in enumerate(res["nll"]):
             for pos in range(max(1, lo), min(hi, len(doc) + 1)):
@@ -338,7 +334,7 @@ def plot(section: dict, path: str) -> None:
             ax.set_title(f"{name}: {task}")
             ax.set_xlabel("prompt tokens")
             ax.set_ylabel("accuracy (%)")
-        buckets = [bucket_name(*b) for b in BUCKETS]
+        buckets = [bucket_name(*b) for b in POSITION_BUCKETS]
         for ax, key, ylabel in ((ax_row[-2], "delta_pct", "perplexity vs bf16 (%)"),
                                 (ax_row[-1], "top1_agreement", "top-1 agreement with bf16")):
             for e in engines[1:]:

@@ -706,6 +706,7 @@ def long_calibration_sim() -> str:
     simulation (accuracy_sim.py --long): where the error past 2K tokens comes from."""
     data = load("long_calibration_sim.json")
     ref = next(r for r in data["rows"] if r["method"] == "bf16")
+    trained = next(r for r in data["rows"] if r["method"] != "bf16")["method_params"]
     buckets = list(ref["buckets"])
     body = [["bf16 (reference)", *[f"{ref['buckets'][b][0]:.3f}" for b in buckets]]]
     for r in data["rows"]:
@@ -723,8 +724,8 @@ def long_calibration_sim() -> str:
         f"by the position of the predicted token, then each set of codebooks' change against "
         f"it, over {ref['tokens']:,} tokens of kernel.jsonl joined into documents of "
         f"{data['max_len']:,} tokens. Both sets were trained with the same settings "
-        f"({data['rows'][1]['method_params']['samples_per_head']:,} samples per head, "
-        f"{data['rows'][1]['method_params']['method']['niter']} k-means iterations) on the "
+        f"({trained['samples_per_head']:,} samples per head, "
+        f"{trained['method']['niter']} k-means iterations) on the "
         f"same text. " + source("long_calibration_sim.json")])
 
 

@@ -340,8 +340,8 @@ class KVCapture:
             causal = pos.view(1, -1) <= i
             if sliding_window:
                 causal &= pos.view(1, -1) > i - sliding_window
-            s = q[:, lo : lo + len(i)] @ kr.transpose(1, 2) * scale
-            p = s.masked_fill(~causal, float("-inf")).softmax(-1)  # [Hq, b, T]
+            qb = q[:, lo : lo + len(i)]
+            p = (qb @ kr.transpose(1, 2) * scale).masked_fill(~causal, float("-inf")).softmax(-1)
             out[:, lo : lo + len(i)] = p @ vr
             if self.sink_pass:
                 continue
@@ -351,7 +351,6 @@ class KVCapture:
             pc = p * coded
             mass += pc.sum(1)
             share = pc.sum(2)  # [Hq, b] each query's attention to coded keys
-            qb = q[:, lo : lo + len(i)]
             qa += torch.einsum("hi,hid,hie->hde", share, qb, qb)
         out = out.transpose(0, 1)[None].to(query.dtype)  # [1, T, Hq, d]
         if self.sink_pass:

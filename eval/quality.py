@@ -24,7 +24,7 @@ import os
 import sys
 import time
 
-from common import codebook_meta, load_docs, prompt_perplexity, provenance
+from common import calibration, codebook_meta, load_docs, prompt_perplexity, provenance
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # read the engine's KV size
 
@@ -145,7 +145,7 @@ def main() -> int:
     for path in args.codebooks:
         meta = codebook_meta(path)
         for w in args.windows:
-            label = f"CUSTOM K{meta['bits_k']}/V{meta['bits_v']} bits W={w}"
+            label = f"CUSTOM K{meta['bits_k']}/V{meta['bits_v']} bits W={w}" + calibration(meta)
             engines.append((label, dict(meta, window=w), dict(
                 attention_backend="CUSTOM",
                 additional_config={"pq": {"codebooks": path, "window": w}})))

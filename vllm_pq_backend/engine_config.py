@@ -52,6 +52,9 @@ class EngineConfig:
         # of this engine's metadata builders, made by the first
         self.window_table = None
         self._rows: int | None = None  # the window store's rows, once decided (window_rows)
+        # CUDA memory this process held before this engine: earlier engines of the process
+        # (vLLM does not free all of a dropped engine's) are not this engine's
+        self._reserved_before = torch.cuda.memory_reserved() if torch.cuda.is_initialized() else 0
 
     @staticmethod
     def of(vllm_config) -> EngineConfig:
@@ -170,7 +173,7 @@ class EngineConfig:
         # was checked against that share at start-up and is not subtracted again. The
         # profile's activation peak is still to come: this overestimates.
         _, total = torch.cuda.mem_get_info(device)
-        held = torch.cuda.memory_reserved(device)
+        held = max(0, torch.cuda.memory_reserved(device) - self._reserved_before)
         util = self._cache.gpu_memory_utilization
         return util * total - held, (f"gpu_memory_utilization {util:g} x {total / 2**30:.1f} "
                                      f"GiB less the {held / 2**30:.1f} GiB this engine holds")

@@ -267,13 +267,23 @@ def test_every_refusal_the_code_gives_has_a_row(start):
 def test_what_vllm_asks_the_class_directly_agrees():
     """Besides validate_configuration, vLLM 0.32 asks the backend class which block sizes
     it takes and prefers (when it picks one), whether it is batch-invariant (model runner),
-    takes ALiBi's sqrt variant (Attention layer) or is MLA: the answers agree with the rows."""
+    takes ALiBi's sqrt variant (Attention layer), is MLA, or takes the device's query lengths
+    differing from the host's (model runner); its own validate_configuration, which ours
+    replaces, reads the rest: the answers agree with the rows."""
     b = PQAttentionBackend
     for size in range(1, 1025):
         refused = b.validate_configuration(**selector(block_size=size))
         assert b.supports_block_size(size) == (not refused), size
     assert "(default {})".format(b.get_preferred_block_size(16)) in " ".join(matrix())
     assert b.supports_batch_invariance() and not b.supports_alibi_sqrt() and not b.is_mla()
+    for cap in CAPS:
+        refused = b.validate_configuration(**{**selector(), "device_capability": cap})
+        assert b.supports_compute_capability(cap) == (not refused), cap
+    for head_size in range(1, 1025):
+        refused = b.validate_configuration(**selector(head_size=head_size))
+        assert b.supports_head_size(head_size) == (not refused), head_size
+    assert not b.supports_device_cpu_query_lens_mismatch() and b.validate_configuration(
+        **selector(use_adaptive_verification=True))
 
 
 def test_tested_claims_name_their_evidence():

@@ -78,6 +78,12 @@ class PQAttentionBackend(AttentionBackend):
         return (capability.major, capability.minor) in SUPPORTED_CAPABILITIES
 
     @classmethod
+    def supports_kv_connector(cls) -> bool:
+        # Some connectors carry CUSTOM pages intact; which ones is decided per engine from
+        # its KV transfer config (impl.connector_refusal), not from this flag.
+        return True
+
+    @classmethod
     def supports_device_cpu_query_lens_mismatch(cls) -> bool:
         # The prefill plan is built from the host's query lengths; adaptive verification
         # trims drafts on the GPU (refused in validate_configuration).
@@ -150,7 +156,6 @@ class PQAttentionBackend(AttentionBackend):
             )
         for flag, what in (
             ("use_non_causal", "non-causal attention"),
-            ("use_kv_connector", "KV connectors (the pages hold PQ codes)"),
             ("use_pcp", "prefill context parallelism"),
             ("use_dcp", "decode context parallelism"),
             ("use_rswa", "R-SWA"),

@@ -46,6 +46,8 @@ def test_validate_accepts_supported():
             for bs in (None, 32, 128, 256):
                 kw = dict(GOOD, head_size=hs, dtype=dt, block_size=bs)
                 assert PQAttentionBackend.validate_configuration(**kw) == []
+    # which KV connectors serve is decided per engine (impl.connector_refusal)
+    assert PQAttentionBackend.validate_configuration(**dict(GOOD, use_kv_connector=True)) == []
 
 
 @pytest.mark.parametrize(
@@ -62,7 +64,6 @@ def test_validate_accepts_supported():
         (dict(kv_cache_dtype="turboquant_4bit_nc"), "--kv-cache-dtype auto"),
         (dict(block_size=16), "multiple of 32"),
         (dict(use_sparse=True), "sparse"),
-        (dict(use_kv_connector=True), "KV connectors"),
         (dict(use_dcp=True), "decode context parallelism"),
     ],
 )

@@ -186,3 +186,68 @@ def test_cuda_graph_engine_pads_steps_and_matches_eager(tmp_path, monkeypatch):
     mode = llm.llm_engine.vllm_config.compilation_config.cudagraph_mode
     assert mode != CUDAGraphMode.NONE
     assert greedy(llm) == want
+
+
+def test_simple_cpu_offload_matches_gpu_prefix_hits(tmp_path, monkeypatch):
+    """SimpleCPUOffloadConnector carries CUSTOM pages intact and resumes where a GPU
+    prefix-cache hit would. Batch-invariant eager mode, window 128: a 32K-token prompt (256
+    blocks exactly, and 256 blocks + 50 tokens) gives the same greedy tokens without
+    caching, after a GPU prefix-cache hit, and after its prefix was evicted from the GPU
+    (two other 32K prompts through a 300-block cache) and loaded back from host memory:
+    that run counts external hits of every block before the last token, and no local ones."""
+    import json
+    import os
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    monkeypatch.setenv("VLLM_USE_SIMPLE_KV_OFFLOAD", "1")  # --kv-offloading-size picks it
+    block, prefix, max_len = 128, 32768, 33024
+    model = tiny_model(tmp_path / "model", head_dim=64)
+    cfg_path = os.path.join(model, "config.json")
+    cfg = json.load(open(cfg_path))
+    cfg["max_position_embeddings"] = max_len
+    json.dump(cfg, open(cfg_path, "w"))
+    books = random_codebooks(str(tmp_path / "a.safetensors"), model, 32, seed=1)
+    g = torch.Generator().manual_seed(0)
+
+    def tokens(n):
+        return TokensPrompt(prompt_token_ids=torch.randint(3, 300, (n,), generator=g).tolist())
+
+    prompts = {tail: tokens(prefix + tail) for tail in (0, 50)}
+    fillers = [tokens(prefix) for _ in range(2)]
+    common = dict(model=model, attention_backend="CUSTOM", enforce_eager=True,
+                  max_model_len=max_len, gpu_memory_utilization=0.15, max_num_seqs=4, seed=0,
+                  block_size=block, additional_config={"pq": {"codebooks": books, "window": 128}})
+    sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+
+    def run(llm, prompt):
+        return llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0].token_ids
+
+    plain = LLM(**common, enable_prefix_caching=False)
+    want = {tail: run(plain, p) for tail, p in prompts.items()}
+    del plain
+    settle()
+    llm = LLM(**common, enable_prefix_caching=True, kv_offloading_size=1,
+              num_gpu_blocks_override=300, disable_log_stats=False)
+    assert llm.llm_engine.vllm_config.kv_transfer_config.kv_connector == "SimpleCPUOffloadConnector"
+
+    def hits():
+        got = {m.name: m.value for m in llm.get_metrics()}
+        return got["vllm:prefix_cache_hits"], got["vllm:external_prefix_cache_hits"]
+
+    for tail, prompt in prompts.items():
+        reused = (prefix + tail - 1) // block * block  # every block before the last token
+        assert run(llm, prompt) == want[tail]  # computed here, stored to host memory
+        before = hits()
+        assert run(llm, prompt) == want[tail]  # a GPU prefix-cache hit
+        local, external = hits()
+        assert (local - before[0], external - before[1]) == (reused, 0), tail
+        for filler in fillers:  # evicts the prompt's blocks from the GPU cache
+            run(llm, filler)
+        before = hits()
+        assert run(llm, prompt) == want[tail]  # its blocks loaded back from host memory
+        local, external = hits()
+        assert (local - before[0], external - before[1]) == (0, reused), tail

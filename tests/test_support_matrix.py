@@ -23,7 +23,8 @@ from typing import get_args
 
 import pytest
 import torch
-from vllm.config import CUDAGraphMode, SpeculativeConfig, set_current_vllm_config
+from vllm.config import (CUDAGraphMode, KVTransferConfig, SpeculativeConfig,
+                         set_current_vllm_config)
 from vllm.config.cache import CacheDType
 from vllm.config.speculative import MTPModelTypes, SpeculativeMethod
 from vllm.platforms.interface import DeviceCapability
@@ -80,6 +81,18 @@ def speculation(method: str, async_scheduling: bool = False) -> dict:
     spec = SpeculativeConfig.__new__(SpeculativeConfig)  # vLLM's reading of the method alone
     object.__setattr__(spec, "method", method)
     return {"speculative_config": spec, "scheduler_config.async_scheduling": async_scheduling}
+
+
+OTHER_CONNECTORS = ["NixlConnector", "MooncakeConnector", "MoRIIOConnector", "LMCacheConnectorV1",
+                    "LMCacheMPConnector", "MultiConnector", "ExampleConnector",
+                    "DecodeBenchConnector", "P2pNcclConnector"]
+
+
+def connector(name, extra=None, module_path=None, pq=None) -> dict:
+    """An engine with a KV connector (vLLM's selector then passes use_kv_connector)."""
+    kt = KVTransferConfig(kv_connector=name, kv_role="kv_both", kv_connector_extra_config=extra or {},
+                          kv_connector_module_path=module_path)
+    return dict(select={"use_kv_connector": True}, engine={"kv_transfer_config": kt}, pq=pq or {})
 
 
 # Settings: "shape" (head_dim, query heads, KV heads) of the model, "layer" the impl's
@@ -144,8 +157,20 @@ CHECKS = {
     "speculative decoding under async scheduling (`ngram_gpu` by default)": [
         dict(engine=speculation(m, True)) for m in NO_DRAFT_KV],
     "adaptive speculative verification": [dict(select={"use_adaptive_verification": True})],
-    "KV connectors (disaggregated prefill, KV offloading)": [
-        dict(select={"use_kv_connector": True})],
+    "CPU KV offloading with `SimpleCPUOffloadConnector` (`--kv-offloading-size N`, "
+    "`VLLM_USE_SIMPLE_KV_OFFLOAD=1`)": [
+        connector("SimpleCPUOffloadConnector", pq=p) for p in ({}, {"window": 0})],
+    "CPU KV offloading with `OffloadingConnector` (`--kv-offloading-size N`) and `window: 0`": [
+        connector("OffloadingConnector", pq={"window": 0})],
+    "`OffloadingConnector` with a residual window": [
+        connector("OffloadingConnector", pq=p) for p in ({}, {"window": 32})],
+    "`OffloadingConnector` with another spec (`TieringOffloadingSpec`, out-of-tree specs)": [
+        connector("OffloadingConnector", {"spec_name": s}, pq={"window": 0})
+        for s in ("TieringOffloadingSpec", "MySpec")],
+    "disaggregated prefill, LMCache and other KV connectors (NIXL, Mooncake, MoRIIO, "
+    "`MultiConnector`, `ExampleConnector`, any from `kv_connector_module_path`)": [
+        *(connector(c, pq={"window": 0}) for c in OTHER_CONNECTORS),
+        connector("SimpleCPUOffloadConnector", module_path="my.connectors")],
     "tensor parallelism": [dict(rank=(r, 2), engine={"parallel_config.tensor_parallel_size": 2})
                            for r in (0, 1)],
     "pipeline parallelism": [dict(engine={"parallel_config.pipeline_parallel_size": 2})],
@@ -251,6 +276,8 @@ def test_every_refusal_the_code_gives_has_a_row(start):
     settings += [dict(engine=speculation(m, a)) for m in METHODS for a in (False, True)]
     settings += [dict(engine={"parallel_config.enable_dbo": True}),
                  dict(engine={"parallel_config.ubatch_size": 2})]
+    settings += [connector(c, pq=p) for c in ["OffloadingConnector", *OTHER_CONNECTORS]
+                 for p in ({}, {"window": 0})]
     refusals = {m for s in settings for m in start(s)}
     unmatched = [m for m in refusals if not any(words(r) <= words(m) for r in reasons)]
     assert not unmatched, unmatched
@@ -267,13 +294,26 @@ def test_every_refusal_the_code_gives_has_a_row(start):
 def test_what_vllm_asks_the_class_directly_agrees():
     """Besides validate_configuration, vLLM 0.32 asks the backend class which block sizes
     it takes and prefers (when it picks one), whether it is batch-invariant (model runner),
-    takes ALiBi's sqrt variant (Attention layer) or is MLA: the answers agree with the rows."""
+    takes ALiBi's sqrt variant (Attention layer), is MLA, or takes the device's query lengths
+    differing from the host's (model runner); its own validate_configuration, which ours
+    replaces, reads the rest: the answers agree with the rows."""
     b = PQAttentionBackend
     for size in range(1, 1025):
         refused = b.validate_configuration(**selector(block_size=size))
         assert b.supports_block_size(size) == (not refused), size
     assert "(default {})".format(b.get_preferred_block_size(16)) in " ".join(matrix())
     assert b.supports_batch_invariance() and not b.supports_alibi_sqrt() and not b.is_mla()
+    for cap in CAPS:
+        refused = b.validate_configuration(**{**selector(), "device_capability": cap})
+        assert b.supports_compute_capability(cap) == (not refused), cap
+    for head_size in range(1, 1025):
+        refused = b.validate_configuration(**selector(head_size=head_size))
+        assert b.supports_head_size(head_size) == (not refused), head_size
+    # which connectors are served is the impl's check; the selector's flag refuses none
+    assert b.supports_kv_connector() and not b.validate_configuration(
+        **selector(use_kv_connector=True))
+    assert not b.supports_device_cpu_query_lens_mismatch() and b.validate_configuration(
+        **selector(use_adaptive_verification=True))
 
 
 def test_tested_claims_name_their_evidence():

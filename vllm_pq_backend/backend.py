@@ -12,10 +12,10 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 from .config import DEFAULT_BLOCK_SIZE
 from .engine_config import EngineConfig
 from .impl import PQAttentionImpl
-from .layout import BLOCK_ALIGN, PageLayout
+from .layout import BLOCK_ALIGN, HEAD_DIMS, PageLayout
 from .metadata import PQMetadataBuilder
 
-SUPPORTED_HEAD_SIZES = (64, 128, 256)
+SUPPORTED_HEAD_SIZES = HEAD_DIMS
 # The kernels are built for sm_90 only and use its bulk copies (TMA) and mbarriers; the
 # decode kernel's dynamic shared memory at head_dim 128 is 200-218 KiB a block
 # (DecodeCfg::smem_bytes), beyond Ampere's 163 KiB and Ada's 99 KiB.
@@ -74,6 +74,22 @@ class PQAttentionBackend(AttentionBackend):
         return True
 
     @classmethod
+    def supports_compute_capability(cls, capability) -> bool:
+        return (capability.major, capability.minor) in SUPPORTED_CAPABILITIES
+
+    @classmethod
+    def supports_kv_connector(cls) -> bool:
+        # Some connectors carry CUSTOM pages intact; which ones is decided per engine from
+        # its KV transfer config (impl.connector_refusal), not from this flag.
+        return True
+
+    @classmethod
+    def supports_device_cpu_query_lens_mismatch(cls) -> bool:
+        # The prefill plan is built from the host's query lengths; adaptive verification
+        # trims drafts on the GPU (refused in validate_configuration).
+        return False
+
+    @classmethod
     def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
         """A page holds only codes: Mk + Mv bytes per token and KV head."""
         if spec.state_content_bytes is not None:
@@ -126,8 +142,8 @@ class PQAttentionBackend(AttentionBackend):
                 f"{name} stores its own 8-bit codes; use --kv-cache-dtype auto, not "
                 f"{kv_cache_dtype}."
             )
-        if device_capability is not None and (
-                (device_capability.major, device_capability.minor) not in SUPPORTED_CAPABILITIES):
+        if device_capability is not None and not cls.supports_compute_capability(
+                device_capability):
             reasons.append(
                 f"{name} needs an NVIDIA GPU of compute capability 9.0 (H100, H200), not "
                 f"{device_capability.major}.{device_capability.minor}: its kernels are built "
@@ -140,7 +156,6 @@ class PQAttentionBackend(AttentionBackend):
             )
         for flag, what in (
             ("use_non_causal", "non-causal attention"),
-            ("use_kv_connector", "KV connectors (the pages hold PQ codes)"),
             ("use_pcp", "prefill context parallelism"),
             ("use_dcp", "decode context parallelism"),
             ("use_rswa", "R-SWA"),

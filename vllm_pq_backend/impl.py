@@ -90,6 +90,49 @@ class LayerState:
                         device=device)
 
 
+# KV connectors that copy whole pages and keep them in this engine (docs/offload.md)
+SIMPLE_OFFLOAD = "SimpleCPUOffloadConnector"
+OFFLOAD = "OffloadingConnector"
+OFFLOAD_SPEC = "CPUOffloadingSpec"  # OffloadingConnector's default spec_name
+SERVED_CONNECTORS = (f"{SIMPLE_OFFLOAD} (--kv-offloading-size N with "
+                     f"VLLM_USE_SIMPLE_KV_OFFLOAD=1), or {OFFLOAD} with window 0")
+
+
+def connector_refusal(transfer_config, window: int | None) -> str | None:
+    """Why the engine's KV connector cannot carry CUSTOM pages, or None to serve it.
+
+    ``transfer_config`` is the engine's ``KVTransferConfig`` (None: no connector);
+    ``window`` the PQ window the user asked for (None: the default, which is positive at
+    every block size, so the resolved window is 0 exactly when this is 0). A served
+    connector copies whole pages, keeps them in this engine and resumes a request where
+    its own window rows are recomputed."""
+    name = None if transfer_config is None else transfer_config.kv_connector
+    if name is None:
+        return None
+    head = "The CUSTOM (PQ) backend does not serve"
+    fix = f"the KV connectors it serves are {SERVED_CONNECTORS}."
+    if transfer_config.kv_connector_module_path:
+        return (f"{head} KV connectors loaded from kv_connector_module_path "
+                f"({transfer_config.kv_connector_module_path}): they are not checked "
+                f"against its pages of PQ codes; {fix}")
+    if name == SIMPLE_OFFLOAD:
+        return None
+    if name == OFFLOAD:
+        spec = (transfer_config.kv_connector_extra_config or {}).get("spec_name", OFFLOAD_SPEC)
+        if spec != OFFLOAD_SPEC:
+            return (f"{head} {OFFLOAD} with spec_name {spec}: it stores or shares pages "
+                    f"under a name without the codebooks; {fix}")
+        if window != 0:
+            return (f"{head} {OFFLOAD} with a residual window: it resumes a prompt loaded "
+                    f"whole at its last token, whose window rows were never computed; set "
+                    f"VLLM_USE_SIMPLE_KV_OFFLOAD=1 ({SIMPLE_OFFLOAD}) or "
+                    f"--additional-config '{{\"pq\": {{\"window\": 0}}}}'.")
+        return None
+    return (f"{head} the KV connector {name}: its pages hold PQ codes that need this "
+            f"engine's codebooks and window rows, which it does not carry (disaggregated "
+            f"prefill, LMCache, shared storage); {fix}")
+
+
 class PQAttentionImpl(AttentionImpl[PQMetadata]):
     can_return_lse_for_decode = False
 
@@ -168,6 +211,11 @@ class PQAttentionImpl(AttentionImpl[PQMetadata]):
                 "serve without dual batch overlap."
             )
         self.cfg = EngineConfig.of(vc)  # the codebooks checked against the model here
+        # here, not in validate_configuration: vLLM tells that only whether a connector is
+        # on, and caches its answer by that
+        refusal = connector_refusal(vc.kv_transfer_config, self.cfg.user.window)
+        if refusal:
+            raise NotImplementedError(refusal)
         self.tp_rank, self.tp_size = _tp_rank_size()
         self._state: LayerState | None = None
 

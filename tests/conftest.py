@@ -19,6 +19,18 @@ from vllm_pq_backend.config import default_codebook_path  # noqa: E402
 from vllm_pq_backend.layout import supported_m  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _fresh_vllm_environment():
+    """vLLM caches its environment variables once an engine has started
+    (vllm.envs.enable_envs_cache): without this, a variable a test sets with monkeypatch
+    would be read as an earlier engine's test left it."""
+    import vllm.envs
+
+    vllm.envs.disable_envs_cache()
+    yield
+    vllm.envs.disable_envs_cache()
+
+
 @pytest.fixture(scope="session")
 def model_factory(tmp_path_factory):
     """(head_dim, q_heads, kv_heads, transforms) -> a model folder with config.json and

@@ -91,6 +91,7 @@ def codebook_meta(path):
                 json.dumps(cal.get("method"), sort_keys=True),
                 calib_text=cal.get("texts"), calib_tokens=cal.get("tokens"),
                 calib_seq_len=cal.get("seq_len"), calib_pack=bool(cal.get("pack")),
+                calib_model_context=cal.get("model_context"),
                 calib_samples=cal.get("samples_per_head"))
 
 
@@ -130,14 +131,18 @@ def gpu_apps() -> dict[int, int] | None:
 
 # --- codebooks ---------------------------------------------------------------------------
 
-CALIB_TOKENS, CALIB_SEQ_LEN = 65536, 2048  # calibrate's defaults
+CALIB_TOKENS = 65536  # calibrate's default
 
 
 def calibration(meta: dict) -> str:
     """How a codebook file was calibrated (codebook_meta's fields), where it is not
-    calibrate's default: ", calibrated on 512K tokens in 8K-token packed sequences", or ""."""
+    calibrate's default (packed sequences as long as the model's context, at most the
+    tokens run): ", calibrated on 512K tokens in 8K-token packed sequences", or ""."""
     tokens = meta.get("calib_tokens") not in (None, CALIB_TOKENS)
-    seqs = meta.get("calib_seq_len") not in (None, CALIB_SEQ_LEN) or meta.get("calib_pack")
+    context = meta.get("calib_model_context")  # recorded by calibrate since it packs by default
+    seqs = meta.get("calib_seq_len") is not None and not (
+        meta.get("calib_pack") and context
+        and meta["calib_seq_len"] == min(context, meta.get("calib_tokens") or CALIB_TOKENS))
     if not tokens and not seqs:
         return ""
     out = ", calibrated on"

@@ -70,7 +70,27 @@ def test_calibrate_writes_valid_codebooks(tmp_path, capsys):
     # 256-token sequences of a model with 4096 positions: the user is told that longer
     # contexts lose accuracy, and what to run instead
     assert "the longest sequence is 256 tokens of the model's 4096" in got.err
-    assert "--seq-len N --pack" in got.err
+    assert "--seq-len N and --tokens of at least N" in got.err
+
+
+def test_calibrate_defaults_to_packed_sequences_of_the_models_context(tmp_path):
+    """Without --seq-len, sequences are the model's context long (at most --tokens) and
+    packed across documents: the codebooks see keys at every position served."""
+    model = tiny_model(tmp_path / "model")
+    (tmp_path / "a.txt").write_text("the lazy dog jumps over the quick brown fox " * 240)
+    (tmp_path / "b.txt").write_text("vllm serves tokens " * 360)
+    out = tmp_path / "books.safetensors"
+    common = ["--model", model, "--m", "8", "--tokens", "1500", "--samples", "600",
+              "--niter", "1", "--device", "cpu", "--dtype", "float32", "--out", str(out)]
+    assert main([*common, "--text", str(tmp_path / "b.txt"), str(tmp_path / "a.txt")]) == 0
+    with safe_open(str(out), "pt") as f:
+        meta = json.loads(f.metadata()["calibration"])
+    assert meta["pack"] is True and meta["seq_len"] == 1500  # min(context 4096, --tokens)
+    assert meta["tokens"] == 1500  # one full sequence across both documents
+    assert main([*common, "--text", str(tmp_path / "a.txt"), "--seq-len", "256", "--no-pack"]) == 0
+    with safe_open(str(out), "pt") as f:
+        meta = json.loads(f.metadata()["calibration"])
+    assert meta["pack"] is False and meta["seq_len"] == 256
 
 
 def test_calibrate_k4_v2(tmp_path, capsys):

@@ -114,7 +114,7 @@ def test_a_folder_named_like_a_text_file_is_searched_not_read(tmp_path, model, c
 def test_documents_too_short_and_no_text(tmp_path, model, capsys):
     (tmp_path / "a.txt").write_text("the lazy dog")
     (tmp_path / "b.txt").write_text("the quick brown fox jumps")
-    err = one_line_error(capsys, cli(model, tmp_path))
+    err = one_line_error(capsys, cli(model, tmp_path, "--no-pack"))
     assert (f"no document in {tmp_path} has the 15 tokens a sequence needs (the longest has 5)"
             in err)
     empty = tmp_path / "empty"

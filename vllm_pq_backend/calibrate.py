@@ -56,6 +56,7 @@ from .layout import (BIT_RATES, NAN_CODE, NUM_CENTROIDS, bits_of, subspaces, sup
 
 TEXT_SUFFIXES = (".txt", ".rst", ".md", ".jsonl")  # what folders are searched for
 MIN_TOKENS = 16  # a shorter sequence (BOS included) is skipped: too little context
+DEFAULT_SEQ_LEN = 2048  # tokens per forward pass when the model's config names no context
 _BLOCK = 1 << 20  # bytes of a plain-text file decoded at a time
 
 
@@ -597,8 +598,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=32768,
                    help="K/V rows kept per layer and head for training (default 32768, at "
                         f"least {NUM_CENTROIDS})")
-    p.add_argument("--seq-len", type=int, default=2048,
-                   help=f"tokens per forward pass (default 2048, at least {MIN_TOKENS})")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="tokens per forward pass (default: the model's context, at most "
+                        f"--tokens; at least {MIN_TOKENS})")
     p.add_argument("--niter", type=int, default=Method.niter, help=f"k-means iterations (default {Method.niter})")
     p.add_argument("--window", type=int, default=128,
                    help="the serving window the statistics assume (default 128)")
@@ -607,10 +609,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", nargs="*", default=[], metavar="FIELD=VALUE",
                    help="override a training setting (fields of calibrate.Method, e.g. "
                         "v_gamma=0.5); for ablations, the defaults are the best measured")
-    p.add_argument("--pack", action="store_true",
+    p.add_argument("--pack", action=argparse.BooleanOptionalAction, default=True,
                    help="join documents before cutting them into --seq-len sequences, so that "
-                        "each sequence is --seq-len long: calibration for long contexts "
-                        "(e.g. --seq-len 8192 --pack) sees keys at every position up to it")
+                        "each sequence is --seq-len long and the codebooks see keys at every "
+                        "position up to it (default; --no-pack cuts each document alone)")
     p.add_argument("--shuffle-docs", action="store_true",
                    help="take --tokens from documents in a seeded random order, not file "
                         "order (indexes every document first: files, not pipes)")
@@ -646,7 +648,7 @@ def _check_args(parser, args) -> None:
         value = getattr(args, name)
         if value is not None and value <= 0:
             parser.error(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
-    if args.seq_len < MIN_TOKENS:
+    if args.seq_len is not None and args.seq_len < MIN_TOKENS:
         parser.error(f"--seq-len must be at least {MIN_TOKENS} (shorter sequences are too "
                      f"short to calibrate with), got {args.seq_len}")
     for name in ("tokens", "samples"):
@@ -773,23 +775,26 @@ def _run(args, parser) -> int:
         method = Method(k_gamma=0, k_rotate=False, v_rotate=False, v_alpha=0, niter=args.niter)
     method = replace(method, **_overrides(parser, args.method))
 
+    context = getattr(hf.get_text_config(), "max_position_embeddings", None)
+    # keys are coded after RoPE: codebooks serve the positions their sequences reached
+    seq_len = args.seq_len or max(MIN_TOKENS, min(context or DEFAULT_SEQ_LEN, args.tokens))
     docs = read_documents(args.text)
     tok = load_tokenizer(args.model)
-    seqs = token_sequences(tok, docs, args.seq_len, args.tokens,
+    seqs = token_sequences(tok, docs, seq_len, args.tokens,
                            args.seed if args.shuffle_docs else None, args.pack)
     total = sum(map(len, seqs))
     if total < NUM_CENTROIDS:
         raise CalibrationError(f"{' '.join(args.text)} gives {total} tokens in sequences of "
                                f"{MIN_TOKENS} or more; k-means needs {NUM_CENTROIDS}")
-    context = getattr(hf.get_text_config(), "max_position_embeddings", None)
     longest = max(map(len, seqs))
     if context and longest < context:
         # keys are coded after RoPE: past the positions calibration saw they rotate where
         # the codebooks have no centroids, and the error grows with distance
         print(f"calibrate: warning: the longest sequence is {longest} tokens of the model's "
               f"{context}; served past position {longest}, these codebooks lose accuracy "
-              f"with distance (docs/results.md, long context). For long contexts calibrate "
-              f"with --seq-len N --pack, N the longest context you serve", file=sys.stderr)
+              f"with distance (docs/results.md, long context). For long contexts give "
+              f"--seq-len N and --tokens of at least N, N the longest context you serve, on "
+              f"packed text (the default)", file=sys.stderr)
     cfg, model = load_weights(args.model, args.dtype, args.device)
     print(f"calibration: {docs.count} documents, {len(seqs)} sequences, {total} tokens, "
           f"{describe_m(d, m, m_v)}, device {args.device}", flush=True)
@@ -810,7 +815,7 @@ def _run(args, parser) -> int:
     save_codebooks(out, books["k"], books["v"], cfg, {
         "model": os.path.abspath(args.model),
         "texts": [os.path.abspath(t) for t in args.text],
-        "documents": docs.count, "tokens": total, "seq_len": args.seq_len, "samples_per_head": samples,
+        "documents": docs.count, "tokens": total, "seq_len": seq_len, "model_context": context, "samples_per_head": samples,
         "seed": args.seed, "dtype": args.dtype, "window": args.window,
         "shuffle_docs": args.shuffle_docs, "pack": args.pack,
         "method": asdict(method), "pinned_bos_sink": stats[0].sink is not None,

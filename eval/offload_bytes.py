@@ -13,14 +13,10 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 
-# this checkout's package, not whichever copy is installed
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from vllm_pq_backend.config import DEFAULT_BLOCK_SIZE, DEFAULT_WINDOW  # noqa: E402
-from vllm_pq_backend.layout import PageLayout, subspaces  # noqa: E402
+from vllm_pq_backend.config import DEFAULT_BLOCK_SIZE, DEFAULT_WINDOW
+from vllm_pq_backend.layout import PageLayout, subspaces
 
 # (name, layers, KV heads, head_dim)
 MODELS = (("Llama-3-8B", 32, 8, 128), ("SmolLM2-135M", 30, 3, 64))

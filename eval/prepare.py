@@ -386,8 +386,7 @@ def check(models: list[tuple[str, str, str]], text_dir: str, out: str) -> bool:
 
     import torch
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from common import provenance, write_result
+    from common import provenance, write_result  # eval/ is the script's directory
 
     rows = [check_model(*m, text_dir) for m in models]
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")

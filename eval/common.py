@@ -145,13 +145,17 @@ def calibration(meta: dict) -> str:
         and meta["calib_seq_len"] == min(context, meta.get("calib_tokens") or CALIB_TOKENS))
     if not tokens and not seqs:
         return ""
-    out = ", calibrated on"
-    if tokens:
-        out += f" {meta['calib_tokens'] // 1024}K tokens" + (" in" if seqs else "")
-    if seqs:
-        pack = "packed " if meta.get("calib_pack") else ""
-        out += f" {meta['calib_seq_len'] // 1024}K-token {pack}sequences"
-    return out
+    return ", calibrated on " + calibration_words(meta["calib_tokens"] if tokens else None,
+                                                  meta["calib_seq_len"] if seqs else None,
+                                                  meta.get("calib_pack"))
+
+
+def calibration_words(tokens: int | None, seq_len: int | None, pack: bool) -> str:
+    """"512K tokens in 8K-token packed sequences", either part left out where None."""
+    words = [f"{tokens // 1024}K tokens"] if tokens else []
+    if seq_len:
+        words.append(f"{seq_len // 1024}K-token {'packed ' if pack else ''}sequences")
+    return " in ".join(words)
 
 
 # --- text and perplexity ---------------------------------------------------------------

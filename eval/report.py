@@ -26,7 +26,7 @@ import re
 import sys
 from pathlib import Path
 
-from common import calibration  # eval/ is the script's directory
+from common import calibration, calibration_words  # eval/ is the script's directory
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "eval" / "results"
@@ -715,9 +715,8 @@ def long_calibration_sim() -> str:
         if r["method"] == "bf16":
             continue
         c = r["method_params"]
-        pack = "packed " if c.get("pack") else ""
         body.append([f"K{r['bits_k']}/V{r['bits_v']} bits W={r['window']}, calibrated on "
-                     f"{c['tokens'] // 1024}K tokens in {c['seq_len'] // 1024}K-token {pack}sequences",
+                     + calibration_words(c["tokens"], c["seq_len"], c.get("pack")),
                      *[pct(r["buckets"][b][2]) for b in buckets]])
     return "\n".join([
         md(["codebooks", *[f"positions {b}" for b in buckets]], body), "",

@@ -655,9 +655,15 @@ def long_note(sec: dict, model: str) -> str:
             f"{f['docs']} documents of {f['tokens_per_doc']:,} tokens of {' + '.join(f['text'])}.")
 
 
+def short_calibration(e: dict, length: int) -> bool:
+    """Codebooks calibrated on sequences shorter than ``length`` tokens."""
+    return (e.get("calib_seq_len") or length) < length
+
+
 @table("long-context")
 def long_context() -> str:
-    """The README's: each model at its longest length, every cache."""
+    """The README's: each model at its longest length, every cache that serves it
+    (codebooks calibrated on sequences at least that long; the others in docs/results.md)."""
     base = baseline_bits()
     body, notes = [], []
     for model, sec in long_models().items():
@@ -665,13 +671,15 @@ def long_context() -> str:
         buckets = [r["bucket"] for r in sec["fidelity"]["rows"] if r["engine"] == LONG_REF]
         first, far = buckets[0], buckets[-1]
         for e in sec["engines"]:
-            if "error" in e:
+            if "error" in e or short_calibration(e, longest):
                 continue
             ref = e["label"] == LONG_REF
             f0, f1 = fidelity(sec, e, first), fidelity(sec, e, far)
             gap = "reference" if ref else f"{pct(f0['delta_pct'])} / {pct(f1['delta_pct'])}"
             top1 = "" if ref else f"{100 * f1['top1_agreement']:.1f}%"
-            body.append([f"{model}, {longest // 1024}K", cache_name(e), long_bits(e, base),
+            name = custom_name(e["bits_k"], e["bits_v"]) + calibration(e) \
+                if e.get("bits_k") not in (None, 16) and is_default(e) else cache_name(e)
+            body.append([f"{model}, {longest // 1024}K", name, long_bits(e, base),
                          *long_cells(sec, e, longest), gap, top1])
         notes.append(long_note(sec, model))
     return "\n".join([
@@ -679,6 +687,15 @@ def long_context() -> str:
             "perplexity vs bf16: first / farthest bucket", "top-1 = bf16, farthest bucket"], body), "",
         "Retrieval: bf16's accuracy, then each cache's with its change in points. " + " ".join(notes)
         + " " + source("long_context.json")])
+
+
+def sign_test(a: int, b: int) -> float:
+    """Two-sided exact sign test of ``a`` against ``b`` discordant pairs (McNemar's exact
+    test): the chance of a split at least this uneven if either answer were as likely."""
+    from math import comb
+
+    n = a + b
+    return min(1.0, 2 * sum(comb(n, i) for i in range(min(a, b) + 1)) / 2 ** n) if n else 1.0
 
 
 @table("long-context-retrieval")
@@ -695,11 +712,14 @@ def long_context_retrieval() -> str:
             for t, n in cols:
                 r = retrieval(sec, e, t, n)
                 row.append("" if r is None else f"{r['accuracy']:.1f}" if "delta_points" not in r
-                           else f"{r['delta_points']:+.1f}")
+                           else f"{r['delta_points']:+.1f} ({r['only_bf16']}/{r['only_this']})"
+                           + ("*" if sign_test(r["only_bf16"], r["only_this"]) < 0.05 else ""))
             body.append(row)
         out += [f"**{model}**", "", md(["KV cache"] + [f"{t} {n // 1024}K" for t, n in cols], body), ""]
     return "\n".join(out + ["bf16's accuracy in %, then each cache's change in points against it "
-                            "on the same prompts. " + source("long_context.json")])
+                            "on the same prompts, and in brackets the prompts only bf16 / only "
+                            "this cache answered; * marks a change beyond chance (two-sided sign "
+                            "test on those two counts, p < 0.05). " + source("long_context.json")])
 
 
 @table("long-calibration-sim")
@@ -778,9 +798,9 @@ def headline() -> str:
                 label, bits, e2e_name = "bf16 (FLASH_ATTN)", "16", "FLASH_ATTN"
             else:
                 label, bits, e2e_name = name, f"{16 * r0['bytes_per_token_vs_bf16']:.1f}".removesuffix(".0"), name
-        elif is_default(r0):
+        elif is_default(r0) and not calibration(r0):  # other calibrations: docs/results.md
             e2e_name = custom_name(r0["bits_k"], r0["bits_v"])
-            label = e2e_name + calibration(r0)
+            label = e2e_name
             bits = str(r0["bits_k"]) if r0["bits_k"] == r0["bits_v"] else f"{r0['bits_k']} / {r0['bits_v']}"
         else:
             continue

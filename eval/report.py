@@ -93,6 +93,10 @@ def ratio(x: float, digits: int = 2) -> str:
     return f"{x:.{digits}f}x"
 
 
+def size(n: int) -> str:
+    return f"{n / 2**30:.3f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
 def day(date: str) -> str:
     return date[:10]
 
@@ -478,6 +482,38 @@ def serve_long() -> str:
         "Llama-3-8B shape, dummy weights, random codebooks, `--max-model-len 16384`; 200 prompts "
         "of 4K-12K tokens, outputs of 512-1,536 tokens, all sent at once; one run per setting, "
         f"{', '.join(sorted({day(r['date']) for r in mixes}))}. " + source("serve_bench_long.json")])
+
+
+def ttft_cell(r: dict | None) -> str:
+    """A case's median TTFT; how many repeats its hit counters left, where not all."""
+    if r is None:
+        return "failed"
+    if not r["valid_repeats"]:
+        counts = ", ".join(f"{x['local_hits']}/{x['external_hits']}" for x in r["repeat_results"])
+        return f"invalid (local/external hits {counts})"
+    out = f"{r['ttft_ms_median']:,.0f}"
+    return out if r["valid_repeats"] == r["repeats"] else out + f" ({r['valid_repeats']} of {r['repeats']} valid)"
+
+
+@table("offload-ttft")
+def offload_ttft() -> str:
+    data = load("offload_ttft.json")
+    body = []
+    for e in data["engines"]:
+        case = {r["case"]: r for r in data["rows"] if r["backend"] == e["backend"]}
+        rec, host = case.get("recompute"), case.get("host")
+        speedup = (ratio(rec["ttft_ms_median"] / host["ttft_ms_median"], 1)
+                   if rec and host and rec["valid_repeats"] and host["valid_repeats"] else "")
+        body.append([e["backend"], f"{e['bytes_per_token']:,}", ttft_cell(rec), ttft_cell(case.get("gpu")),
+                     ttft_cell(host), speedup, size(host["bytes_from_host"]) if host else ""])
+    return "\n".join([
+        md(["KV cache", "bytes per token", "recompute (ms)", "prefix from GPU (ms)", "prefix from host (ms)",
+            "recompute / host", "loaded from host per request"], body), "",
+        f"Time to first token, median of {data['repeats']} repeats (vLLM's `first_token_latency`), of "
+        f"a {data['prefix_tokens']:,}-token prefix plus {data['suffix_tokens']} new tokens, one "
+        f"request at a time; {data['model']}, {data['weights']} weights, block {data['block_size']}, "
+        f"`SimpleCPUOffloadConnector` with {data['kv_offloading_size_gib']:g} GiB of host memory; "
+        f"{data['device']}, {day(data['date'])}. " + source("offload_ttft.json")])
 
 
 @table("soak")

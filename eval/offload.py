@@ -1,13 +1,19 @@
-"""Time to first token of a long prefix: recomputed, from the GPU prefix cache, or from host memory.
+"""KV pages that leave the GPU, CUSTOM beside FLASH_ATTN bf16: what they weigh, and how fast a
+long prefix comes back from host memory.
 
-The prefix is prefilled anew, found in the GPU prefix cache, or loaded back from host memory
-by vLLM's CPU offloading (``SimpleCPUOffloadConnector``: ``--kv-offloading-size`` with
-VLLM_USE_SIMPLE_KV_OFFLOAD=1), CUSTOM beside FLASH_ATTN bf16 in one run on the same machine
-and settings, with the bytes a host reload moves per request (page sizes from
-eval/offload_bytes.py).
+    python eval/offload.py bytes [--host-gib 64] [--tokens 32768]   # no GPU; docs/offload.md quotes it
+    python eval/offload.py ttft                                     # Llama-3-8B shape, dummy weights, CUSTOM 4 bits
+    python eval/offload.py ttft --model DIR --codebooks FILE        # a real model and its codebooks
 
-    python eval/offload_ttft.py                      # Llama-3-8B shape, dummy weights, CUSTOM 4 bits
-    python eval/offload_ttft.py --model DIR --codebooks FILE   # a real model and its codebooks
+``bytes``: host memory per cached token and per 32K-token conversation, and what a prefill
+instance hands a decode instance for one prompt. Page sizes come from the package's own
+layout (``layout.PageLayout``, ``layout.subspaces``, the default block size and window in
+``config``), so the numbers follow the page layout the backend serves.
+
+``ttft``: time to first token of a long prefix, recomputed, from the GPU prefix cache, or
+loaded back from host memory by vLLM's CPU offloading (``SimpleCPUOffloadConnector``:
+``--kv-offloading-size`` with VLLM_USE_SIMPLE_KV_OFFLOAD=1), CUSTOM beside FLASH_ATTN bf16
+in one run on the same machine and settings, with the bytes a host reload moves per request.
 
 About 7 minutes on one H200 with the defaults, most of it two engine starts that compile
 the model when the compile cache is cold (``--enforce-eager`` skips that); per backend, 6
@@ -46,8 +52,9 @@ import sys
 import tempfile
 import time
 
-import offload_bytes  # eval/ is the script's directory
 from common import codebook_meta, provenance, write_model_dir, write_result
+from vllm_pq_backend.config import DEFAULT_BLOCK_SIZE, DEFAULT_WINDOW
+from vllm_pq_backend.layout import PageLayout, subspaces
 
 BACKENDS = ("CUSTOM", "FLASH_ATTN")
 CASES = ("recompute", "gpu", "host")
@@ -57,7 +64,7 @@ GIB = 2**30
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="offload.py ttft", description="Time to first token of a long prefix: recomputed, from the GPU prefix cache, or from host memory")
     p.add_argument("--model", help="a local model folder (default: one of Llama-3-8B's shape "
                    "with dummy weights and random codebooks, made here)")
     p.add_argument("--codebooks", help="CUSTOM's codebook file (default: the model folder's "
@@ -82,6 +89,95 @@ def parse_args(argv=None) -> argparse.Namespace:
     if a.prefix_tokens < BLOCK or a.suffix_tokens < 1 or a.repeats < 1:
         p.error(f"--prefix-tokens must be at least {BLOCK}, --suffix-tokens and --repeats at least 1")
     return a
+
+
+# --- bytes: pages as connectors move them ---------------------------------------------
+
+# (name, layers, KV heads, head_dim)
+MODELS = (("Llama-3-8B", 32, 8, 128), ("SmolLM2-135M", 30, 3, 64))
+# (label, bits per element of K, of V); None: FLASH_ATTN's dense bf16 page
+RATES = (("FLASH_ATTN bf16", None, None), ("CUSTOM 4 bits", 4, 4),
+         ("CUSTOM 3 bits (K4/V2)", 4, 2), ("CUSTOM 2 bits", 2, 2))
+BF16 = 2  # bytes
+HOST_PAGE = 4096  # vLLM's CPUOffloadingSpec rounds each host chunk up to the OS page size
+MIB = 2**20
+
+
+def block_bytes(layers, heads, head_dim, bits_k, bits_v, block=DEFAULT_BLOCK_SIZE) -> int:
+    """One vLLM block of every layer: what an offloading connector copies per block."""
+    if bits_k is None:
+        per_head = block * 2 * head_dim * BF16  # K and V, head_dim elements each
+    else:
+        per_head = PageLayout(block, subspaces(head_dim, bits_k),
+                              subspaces(head_dim, bits_v)).head_bytes
+    return layers * heads * per_head
+
+
+def window_row_bytes(layers, heads, head_dim) -> int:
+    """One token's full-precision K and V in the window store, every layer (bf16)."""
+    return layers * heads * 2 * head_dim * BF16
+
+
+def fmt(n: float) -> str:
+    return f"{n / GIB:.3f} GiB" if n >= GIB else f"{n / MIB:.1f} MiB"
+
+
+def host_table(host_gib: float, tokens: int) -> list[str]:
+    b = DEFAULT_BLOCK_SIZE
+    blocks = math.ceil(tokens / b)
+    out = [f"Host memory (block {b} tokens; a {tokens}-token conversation is {blocks} "
+           f"blocks; {host_gib:g} GiB of host memory)", "",
+           "| model | KV cache | bytes per token | per conversation | conversations |",
+           "|---|---|---:|---:|---:|"]
+    for name, layers, heads, d in MODELS:
+        for label, bk, bv in RATES:
+            per_block = block_bytes(layers, heads, d, bk, bv)
+            chunk = -(-per_block // HOST_PAGE) * HOST_PAGE
+            pad = "" if chunk == per_block else f" (+{chunk - per_block} B host padding)"
+            fit = int(host_gib * GIB) // chunk // blocks
+            out.append(f"| {name} | {label} | {per_block // b:,}{pad} | "
+                       f"{fmt(blocks * chunk)} | {fit:,} |")
+    return out
+
+
+def handoff_table(tokens_list: list[int]) -> list[str]:
+    """Prefill -> decode for one prompt on Llama-3-8B: whole blocks as a connector moves
+    them (the last, partial one included), plus the window rows of the last segment; or
+    only the blocks before the last segment, the decode instance recomputing the rest."""
+    name, layers, heads, d = MODELS[0]
+    b, w = DEFAULT_BLOCK_SIZE, DEFAULT_WINDOW
+    out = [f"Prefill to decode, one prompt on {name} (block {b}, window {w})", "",
+           "| prompt tokens | KV cache | what crosses | bytes | vs bf16 |",
+           "|---:|---|---|---:|---:|"]
+    for n in tokens_list:
+        blocks = math.ceil(n / b)
+        seg = (n - 1) // w * w  # the last segment's start (layout.window_start)
+        full = (n - 1) // b  # blocks before the block holding the last token
+        dense = blocks * block_bytes(layers, heads, d, None, None)
+        out.append(f"| {n:,} | FLASH_ATTN bf16 | {blocks} blocks | {fmt(dense)} | 1.000 |")
+        for label, bk, bv in RATES[1:]:
+            per_block = block_bytes(layers, heads, d, bk, bv)
+            rows = (n - seg) * window_row_bytes(layers, heads, d)
+            with_rows = blocks * per_block + rows
+            out.append(f"| {n:,} | {label} | {blocks} blocks + {n - seg} window rows "
+                       f"({fmt(rows)}) | {fmt(with_rows)} | {with_rows / dense:.3f} |")
+            recompute = full * per_block
+            out.append(f"| {n:,} | {label} | {full} blocks; decode recomputes the last "
+                       f"{n - full * b} tokens | {fmt(recompute)} | "
+                       f"{recompute / dense:.3f} |")
+    return out
+
+
+def bytes_main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="offload.py bytes", description="Host memory per cached token and per conversation, and the prefill-to-decode hand-off (no GPU)")
+    p.add_argument("--host-gib", type=float, default=64.0, help="host memory for the cache")
+    p.add_argument("--tokens", type=int, default=32768, help="tokens per conversation")
+    p.add_argument("--prompts", type=int, nargs="+", default=[32768, 32700],
+                   help="prompt lengths for the prefill-to-decode table")
+    a = p.parse_args(argv)
+    print("\n".join(host_table(a.host_gib, a.tokens) + [""] + handoff_table(a.prompts)))
+    return 0
+
 
 
 # --- what each case must show in vLLM's hit counters ------------------------------------
@@ -113,7 +209,7 @@ def summarize(repeats: list[dict]) -> dict:
                 valid_repeats=len(valid), repeats=len(repeats))
 
 
-# --- bytes (eval/offload_bytes.py) -------------------------------------------------------
+# --- bytes of the cases ---------------------------------------------------------------
 
 
 def model_shape(model: str) -> dict:
@@ -127,7 +223,7 @@ def model_shape(model: str) -> dict:
 
 def page_bytes(shape: dict, bits_k, bits_v, block: int = BLOCK) -> int:
     """One block of every layer as the connector copies it; bits None: a dense bf16 page."""
-    return offload_bytes.block_bytes(shape["layers"], shape["kv_heads"], shape["head_dim"],
+    return block_bytes(shape["layers"], shape["kv_heads"], shape["head_dim"],
                                      bits_k, bits_v, block)
 
 
@@ -258,7 +354,7 @@ def engine_result(backend: str, raw: dict, shape: dict, meta: dict | None,
 
 
 def run_child(args, backend: str, model: str, books: str | None, dummy: bool, raw: str) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--model", model, "--engine", backend,
+    cmd = [sys.executable, os.path.abspath(__file__), "ttft", "--model", model, "--engine", backend,
            "--raw", raw, "--prefix-tokens", str(args.prefix_tokens), "--suffix-tokens",
            str(args.suffix_tokens), "--repeats", str(args.repeats), "--kv-offloading-size",
            str(args.kv_offloading_size), "--gpu-memory-utilization", str(args.gpu_memory_utilization),
@@ -275,7 +371,6 @@ def run_child(args, backend: str, model: str, books: str | None, dummy: bool, ra
 def run(args, work: str) -> dict:
     """Every backend's engine in turn, in child processes; the run's results."""
     from vllm_pq_backend.config import default_codebook_path
-    from vllm_pq_backend.layout import subspaces
 
     dummy = args.dummy_weights or args.model is None
     model = args.model or write_model_dir(os.path.join(work, "llama3-8b-shape"), [subspaces(128, args.bits)])
@@ -284,14 +379,14 @@ def run(args, work: str) -> dict:
     if "CUSTOM" in args.backends:
         books = args.codebooks or default_codebook_path(model, subspaces(shape["head_dim"], args.bits))
         if not os.path.exists(books):
-            sys.exit(f"offload_ttft.py: no codebooks at {books}: pass --codebooks FILE "
+            sys.exit(f"offload.py ttft: no codebooks at {books}: pass --codebooks FILE "
                      "(python -m vllm_pq_backend.calibrate writes them)")
         meta = codebook_meta(books)
     for backend in args.backends:
         bits = (meta["bits_k"], meta["bits_v"]) if backend == "CUSTOM" else (None, None)
         why = host_check(shape, *bits, prompt_blocks(args), args.kv_offloading_size)
         if why:
-            sys.exit(f"offload_ttft.py: {label(backend, meta)}: {why}")
+            sys.exit(f"offload.py ttft: {label(backend, meta)}: {why}")
 
     engines, rows = [], []
     for backend in args.backends:
@@ -314,7 +409,7 @@ def run(args, work: str) -> dict:
                 ttft="RequestOutput.metrics.first_token_latency", engines=engines, rows=rows)
 
 
-def main(argv=None) -> int:
+def ttft_main(argv=None) -> int:
     args = parse_args(argv)
     if args.engine:  # a child: one engine, measured
         with open(args.raw, "w") as f:
@@ -324,6 +419,14 @@ def main(argv=None) -> int:
         result = run(args, work)
     write_result(args.out, result)
     return 0 if all("error" not in e for e in result["engines"]) else 1
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    modes = {"bytes": bytes_main, "ttft": ttft_main}
+    if not argv or argv[0] not in modes:
+        sys.exit("usage: offload.py {bytes,ttft} [options]  (offload.py MODE --help for each)")
+    return modes[argv[0]](argv[1:])
 
 
 if __name__ == "__main__":

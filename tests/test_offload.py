@@ -1,5 +1,5 @@
-"""eval/offload_ttft.py without a GPU: its arguments, the check of each case against vLLM's
-hit counters, the medians, the bytes (from eval/offload_bytes.py), and a whole run with
+"""eval/offload.py ttft without a GPU: its arguments, the check of each case against vLLM's
+hit counters, the medians, the bytes (from its bytes part), and a whole run with
 its engine processes replaced by recorded measurements, through to report.py's table."""
 
 import json
@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eval"))
-import offload_bytes  # noqa: E402
-import offload_ttft as ot  # noqa: E402
+import offload as ot  # noqa: E402
 import report  # noqa: E402
 
 LLAMA3_8B = dict(layers=32, kv_heads=8, head_dim=128, vocab=128256)
@@ -82,22 +81,22 @@ def test_summary_is_the_median_of_valid_repeats():
     assert none["ttft_ms_median"] is None and none["valid_repeats"] == 0
 
 
-def test_page_bytes_are_offload_bytes_and_match_docs():
+def test_page_bytes_match_the_bytes_table_and_docs():
     # docs/offload.md: a 32,768-token conversation of Llama-3-8B is 4 GiB in bf16, 1 GiB at 4 bits
     assert 256 * ot.page_bytes(LLAMA3_8B, None, None) == 4 * GIB
     assert 256 * ot.page_bytes(LLAMA3_8B, 4, 4) == GIB
     assert 256 * ot.page_bytes(LLAMA3_8B, 2, 2) == GIB // 2
-    assert ot.page_bytes(LLAMA3_8B, 4, 2) == offload_bytes.block_bytes(32, 8, 128, 4, 2, 128)
+    assert ot.page_bytes(LLAMA3_8B, 4, 2) == ot.block_bytes(32, 8, 128, 4, 2, 128)
 
 
-def test_page_bytes_come_from_offload_bytes(monkeypatch):
+def test_page_bytes_come_from_block_bytes(monkeypatch):
     seen = []
 
     def fake(*args):
         seen.append(args)
         return 1000
 
-    monkeypatch.setattr(offload_bytes, "block_bytes", fake)
+    monkeypatch.setattr(ot, "block_bytes", fake)
     assert ot.page_bytes(LLAMA3_8B, 4, 4) == 1000
     assert seen == [(32, 8, 128, 4, 4, 128)]
 
@@ -169,7 +168,7 @@ def test_run_to_table(tmp_path, monkeypatch, model_factory):
 
     monkeypatch.setattr(ot, "run_child", child)
     out = tmp_path / "offload_ttft.json"
-    assert ot.main(["--model", model, "--dummy-weights", "--out", str(out)]) == 0
+    assert ot.main(["ttft", "--model", model, "--dummy-weights", "--out", str(out)]) == 0
     assert [c[0] for c in calls] == ["CUSTOM", "FLASH_ATTN"]
     assert calls[0][2].endswith("codebooks_m32.safetensors") and calls[0][3] is True  # 4 bits at head_dim 64
     data = json.loads(out.read_text())
@@ -178,14 +177,14 @@ def test_run_to_table(tmp_path, monkeypatch, model_factory):
     assert (data["prefix_tokens"], data["repeats"], data["kv_offloading_size_gib"]) == (32768, 5, 16.0)
     custom = data["engines"][0]
     assert (custom["bits_k"], custom["bits_v"], len(custom["codebook_sha256"])) == (4, 4, 16)
-    assert custom["bytes_per_token"] == offload_bytes.block_bytes(2, 2, 64, 4, 4, 128) // 128
+    assert custom["bytes_per_token"] == ot.block_bytes(2, 2, 64, 4, 4, 128) // 128
 
     monkeypatch.setattr(report, "RESULTS", tmp_path)
     table = report.TABLES["offload-ttft"]()
     lines = table.splitlines()
     assert lines[0].startswith("| KV cache | bytes per token | recompute (ms)")
     assert lines[2] == ("| CUSTOM 4 bits | 256 | 2,000 | 50 | 190 (2 of 3 valid) | 10.5x | "
-                        f"{report.size(256 * offload_bytes.block_bytes(2, 2, 64, 4, 4, 128))} |")
+                        f"{report.size(256 * ot.block_bytes(2, 2, 64, 4, 4, 128))} |")
     assert lines[3].startswith("| FLASH_ATTN bf16 | 1,024 | 2,000 | 50 | 200 | 10.0x |")
     assert "32,768-token prefix plus 64 new tokens" in table and "NVIDIA H200" in table
 

@@ -13,7 +13,8 @@ import parallel  # noqa: E402
 
 # every option of the run, none at its default
 OPTIONS = {"--model": ["/models/gemma3"], "--model-name": ["Gemma-3-270M"],
-           "--codebooks": ["/models/gemma3/pq/b4.safetensors"], "--layouts": ["tp2", "pp2", "dp4"],
+           "--codebooks": ["/models/gemma3/pq/b4.safetensors"],
+           "--layouts": ["tp2", "pp2", "dp4"],
            "--backends": ["CUSTOM"], "--eval": ["kernel=/t/kernel.jsonl", "python=/t/heldout.jsonl"],
            "--max-len": ["1024"], "--docs": ["7"], "--prompts": ["5"], "--prompt-len": ["99"],
            "--gen-tokens": ["17"], "--gpu-memory-utilization": ["0.25"], "--work": ["/w"],

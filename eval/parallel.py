@@ -3,7 +3,7 @@ text domains and greedy outputs, CUSTOM beside FLASH_ATTN, each layout against t
 backend on one GPU. Writes eval/results/parallel.json (a section per model).
 
     python eval/parallel.py --model eval/data/gemma3 --model-name Gemma-3-270M \\
-        --codebooks eval/data/gemma3/pq/codebooks_m128.safetensors --layouts tp2 pp2 dp2 \\
+        --codebooks eval/data/gemma3/pq/g4.safetensors --layouts tp2 pp2 dp2 \\
         --eval kernel=eval/data/text/kernel.jsonl fortunes=eval/data/text/fortunes.jsonl \\
                python=eval/data/text/heldout.jsonl
 

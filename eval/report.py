@@ -516,6 +516,29 @@ def offload_ttft() -> str:
         f"{data['device']}, {day(data['date'])}. " + source("offload_ttft.json")])
 
 
+@table("faults")
+def faults() -> str:
+    """What the server did, case by case; the verdict under the criteria recorded with it."""
+    data = load("faults.json")
+    k, n = data["kill"], data["nofit"]
+    ended = ", ".join(f"{c} {what.split(':', 1)[1]}" for what, c in sorted(k["requests"].items()))
+    left = "none" if not k["tree_alive_after_exit"] and not k["orphaned_gpu_pids"] else \
+        f"alive {k['tree_alive_after_exit']}, GPU memory {k['orphaned_gpu_pids']}"
+    body = [["engine core killed (SIGKILL) under load",
+             f"exits by itself after {k['server_exit_seconds']} s, code {k['server_exit_code']}; "
+             f"in-flight requests: {ended}; processes left: {left}; restarted: "
+             f"{k['restart_identical']} reference outputs identical",
+             "passed" if k["pass"] else "failed"],
+            ["window store that cannot fit", f"exits after {n['exit_seconds']} s, code "
+             f"{n['exit_code']}: {n['error'].split(':', 1)[1].strip()[:120]}...",
+             "passed" if n["pass"] else "failed"]]
+    return "\n".join([
+        md(["case", "what the server did", "verdict"], body), "",
+        f"`vllm serve` with CUSTOM, {data['model']}, {data['bits_k']} bits, {data['device']}, "
+        f"{day(data['date'])}. The verdicts are those of the criteria recorded with the run: "
+        f"kill: {k['criteria']}; no fit: {n['criteria']}. " + source("faults.json")])
+
+
 @table("soak")
 def soak() -> str:
     data = load("soak.json")

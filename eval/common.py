@@ -67,6 +67,23 @@ def write_result(path: str, result: dict) -> None:
     print(f"wrote {path}")
 
 
+def save_section(path: str, name: str, section: dict) -> None:
+    """``section`` as model ``name``'s in ``path``'s ``models``, other models' sections kept
+    (runs of other models may finish at the same time: the file is read and written under
+    a lock)."""
+    import fcntl
+
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        data = json.load(open(path)) if os.path.exists(path) else {}
+        models = data.get("models", {})
+        models[name] = section
+        with open(path, "w") as f:
+            json.dump(dict(models=models), f, indent=1)
+    print(f"wrote {path}")
+
+
 def append_rows(path: str, rows: list[dict]) -> None:
     """``rows`` into ``path``'s list in place of any earlier rows of the same backends (the
     benchmarks that run one backend per process)."""

@@ -41,7 +41,7 @@ import sys
 import time
 
 from common import (POSITION_BUCKETS, bucket_name, calibration,  # eval/ is the script's directory
-                    codebook_meta, provenance)
+                    codebook_meta, provenance, save_section)
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # read the engine's KV size
 
@@ -509,19 +509,10 @@ def main() -> int:
 
 
 def save(path: str, name: str, section: dict) -> None:
-    """``section`` as model ``name``'s in ``path``, other models' sections kept (runs of
-    other models may finish at the same time: the file is read and written under a lock)."""
-    import fcntl
-
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path + ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        data = json.load(open(path)) if os.path.exists(path) else {}
-        models = data.get("models", {})
-        models[name] = dict(section, fidelity=dict(section["fidelity"], rows=section["fidelity_rows"]))
-        models[name].pop("fidelity_rows")
-        with open(path, "w") as f:
-            json.dump(dict(models=models), f, indent=1)
+    """``section`` as model ``name``'s in ``path``, its fidelity rows under ``fidelity``."""
+    section = dict(section, fidelity=dict(section["fidelity"], rows=section["fidelity_rows"]))
+    section.pop("fidelity_rows")
+    save_section(path, name, section)
 
 
 if __name__ == "__main__":

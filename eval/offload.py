@@ -215,10 +215,11 @@ def summarize(repeats: list[dict]) -> dict:
 def model_shape(model: str) -> dict:
     from transformers import AutoConfig
 
+    from vllm_pq_backend.codebooks import head_dim_of
+
     cfg = AutoConfig.from_pretrained(model).get_text_config()
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return dict(layers=cfg.num_hidden_layers, kv_heads=cfg.num_key_value_heads, head_dim=head_dim,
-                vocab=cfg.vocab_size)
+    return dict(layers=cfg.num_hidden_layers, kv_heads=cfg.num_key_value_heads,
+                head_dim=head_dim_of(cfg), vocab=cfg.vocab_size)
 
 
 def page_bytes(shape: dict, bits_k, bits_v, block: int = BLOCK) -> int:

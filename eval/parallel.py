@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 
-from common import codebook_meta, load_docs, prompt_perplexity, provenance
+from common import codebook_meta, load_docs, prompt_perplexity, provenance, save_section
 
 BACKENDS = ("FLASH_ATTN", "CUSTOM")
 LAYOUT_FORMS = "one, tpK, ppK or dpK with K >= 1 (e.g. tp2)"
@@ -249,12 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                        seconds=round(time.time() - t0, 1), **compare(ref, res))
             section["rows"].append(row)
             print(json.dumps(row), flush=True)
-    data = json.load(open(args.out)) if os.path.exists(args.out) else {}
-    data.setdefault("models", {})[args.model_name] = section
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(data, f, indent=1)
-    print("wrote", args.out)
+    save_section(args.out, args.model_name, section)
     return 0
 
 

@@ -67,6 +67,11 @@ def write_result(path: str, result: dict) -> None:
     print(f"wrote {path}")
 
 
+def size(n: float) -> str:
+    """Bytes as GiB (3 decimals) from 1 GiB up, else MiB (1 decimal)."""
+    return f"{n / 2**30:.3f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
 def save_section(path: str, name: str, section: dict) -> None:
     """``section`` as model ``name``'s in ``path``'s ``models``, other models' sections kept
     (runs of other models may finish at the same time: the file is read and written under

@@ -52,7 +52,7 @@ import sys
 import tempfile
 import time
 
-from common import codebook_meta, provenance, write_model_dir, write_result
+from common import codebook_meta, provenance, size, write_model_dir, write_result
 from vllm_pq_backend.config import DEFAULT_BLOCK_SIZE, DEFAULT_WINDOW
 from vllm_pq_backend.layout import PageLayout, subspaces
 
@@ -100,7 +100,6 @@ RATES = (("FLASH_ATTN bf16", None, None), ("CUSTOM 4 bits", 4, 4),
          ("CUSTOM 3 bits (K4/V2)", 4, 2), ("CUSTOM 2 bits", 2, 2))
 BF16 = 2  # bytes
 HOST_PAGE = 4096  # vLLM's CPUOffloadingSpec rounds each host chunk up to the OS page size
-MIB = 2**20
 
 
 def block_bytes(layers, heads, head_dim, bits_k, bits_v, block=DEFAULT_BLOCK_SIZE) -> int:
@@ -118,10 +117,6 @@ def window_row_bytes(layers, heads, head_dim) -> int:
     return layers * heads * 2 * head_dim * BF16
 
 
-def fmt(n: float) -> str:
-    return f"{n / GIB:.3f} GiB" if n >= GIB else f"{n / MIB:.1f} MiB"
-
-
 def host_table(host_gib: float, tokens: int) -> list[str]:
     b = DEFAULT_BLOCK_SIZE
     blocks = math.ceil(tokens / b)
@@ -136,7 +131,7 @@ def host_table(host_gib: float, tokens: int) -> list[str]:
             pad = "" if chunk == per_block else f" (+{chunk - per_block} B host padding)"
             fit = int(host_gib * GIB) // chunk // blocks
             out.append(f"| {name} | {label} | {per_block // b:,}{pad} | "
-                       f"{fmt(blocks * chunk)} | {fit:,} |")
+                       f"{size(blocks * chunk)} | {fit:,} |")
     return out
 
 
@@ -154,16 +149,16 @@ def handoff_table(tokens_list: list[int]) -> list[str]:
         seg = (n - 1) // w * w  # the last segment's start (layout.window_start)
         full = (n - 1) // b  # blocks before the block holding the last token
         dense = blocks * block_bytes(layers, heads, d, None, None)
-        out.append(f"| {n:,} | FLASH_ATTN bf16 | {blocks} blocks | {fmt(dense)} | 1.000 |")
+        out.append(f"| {n:,} | FLASH_ATTN bf16 | {blocks} blocks | {size(dense)} | 1.000 |")
         for label, bk, bv in RATES[1:]:
             per_block = block_bytes(layers, heads, d, bk, bv)
             rows = (n - seg) * window_row_bytes(layers, heads, d)
             with_rows = blocks * per_block + rows
             out.append(f"| {n:,} | {label} | {blocks} blocks + {n - seg} window rows "
-                       f"({fmt(rows)}) | {fmt(with_rows)} | {with_rows / dense:.3f} |")
+                       f"({size(rows)}) | {size(with_rows)} | {with_rows / dense:.3f} |")
             recompute = full * per_block
             out.append(f"| {n:,} | {label} | {full} blocks; decode recomputes the last "
-                       f"{n - full * b} tokens | {fmt(recompute)} | "
+                       f"{n - full * b} tokens | {size(recompute)} | "
                        f"{recompute / dense:.3f} |")
     return out
 

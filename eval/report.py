@@ -26,7 +26,7 @@ import re
 import sys
 from pathlib import Path
 
-from common import calibration, calibration_words  # eval/ is the script's directory
+from common import calibration, calibration_words, size  # eval/ is the script's directory
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "eval" / "results"
@@ -91,10 +91,6 @@ def pct(x: float) -> str:
 
 def ratio(x: float, digits: int = 2) -> str:
     return f"{x:.{digits}f}x"
-
-
-def size(n: int) -> str:
-    return f"{n / 2**30:.3f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def day(date: str) -> str:

@@ -206,8 +206,8 @@ void decode(Tensor out, const Tensor& q, const Tensor& kv_cache, const Tensor& b
             const Tensor& seq_lens, const Tensor& order, const Tensor& k_cb, const Tensor& v_cb, const Tensor& books,
             const Tensor& win_k, const Tensor& win_v, const Tensor& rows, const Tensor& new_k, const Tensor& new_v,
             int64_t window, int64_t sliding_window, int64_t num_splits, int64_t min_split, int64_t num_ctas,
-            double scale, bool lut, Tensor ws_o, Tensor ws_lse, int64_t k_off, int64_t k_tok, int64_t v_off,
-            int64_t v_sub, int64_t nan_code) {
+            double scale, const Tensor& sinks, bool lut, Tensor ws_o, Tensor ws_lse, int64_t k_off, int64_t k_tok,
+            int64_t v_off, int64_t v_sub, int64_t nan_code) {
   const at::Device dev = q.device();
   TORCH_CHECK(dev.is_cuda(), "vllm_pq_backend: q must be a CUDA tensor");
   const at::cuda::OptionalCUDAGuard guard(dev);
@@ -312,6 +312,14 @@ void decode(Tensor out, const Tensor& q, const Tensor& kv_cache, const Tensor& b
   a.min_split = static_cast<int>(min_split);
   a.num_ctas = static_cast<int>(num_ctas);
   a.scale = static_cast<float>(scale);
+  if (sinks.numel() > 0) {  // one logit per query head, in float32 or q's dtype (empty: none)
+    check(sinks, "sinks", dev, {heads});
+    TORCH_CHECK(sinks.is_contiguous() && (sinks.scalar_type() == at::kFloat || sinks.scalar_type() == q.scalar_type()),
+                "vllm_pq_backend: sinks must be contiguous float32 or ", q.scalar_type(), " [", heads, "], got ",
+                sinks.scalar_type());
+    a.sinks = sinks.data_ptr();
+    a.sinks_f32 = sinks.scalar_type() == at::kFloat;
+  }
   a.lut = lut;
   a.ws_o = ws_o.data_ptr<float>();
   a.ws_lse = ws_lse.data_ptr<float>();
@@ -455,7 +463,7 @@ TORCH_LIBRARY(pq_backend, m) {
       "decode(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, Tensor order, "
       "Tensor k_cb, Tensor v_cb, Tensor books, Tensor(d!) win_k, Tensor(e!) win_v, Tensor rows, Tensor new_k, "
       "Tensor new_v, int window, int sliding_window, int num_splits, int min_split, int num_ctas, float scale, "
-      "bool lut, Tensor(b!) ws_o, Tensor(c!) ws_lse, int k_off, int k_tok, int v_off, int v_sub, "
+      "Tensor sinks, bool lut, Tensor(b!) ws_o, Tensor(c!) ws_lse, int k_off, int k_tok, int v_off, int v_sub, "
       "int nan_code) -> ()");
 }
 

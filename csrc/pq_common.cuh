@@ -41,6 +41,17 @@ struct Elem<__nv_bfloat16> {
   }
 };
 
+// A softmax result `o` over keys whose log2-sum-exp is `lse` (the decode kernel's log2
+// domain of scores; -inf: no keys, o = 0) with query head `head`'s attention sink
+// (DecodeArgs::sinks, non-null) joined to its denominator once: o / (1 + 2^(sink - lse)),
+// reference.add_sink's formula. A sink of -inf leaves o as it is.
+template <typename T>
+__device__ __forceinline__ float with_sink(const DecodeArgs& a, int head, float o, float lse) {
+  const float s = a.sinks_f32 ? static_cast<const float*>(a.sinks)[head]
+                              : Elem<T>::to_float(static_cast<const T*>(a.sinks)[head]);
+  return o / (1.f + exp2f(s * 1.4426950408889634f - lse));
+}
+
 #define PQ_MMA_M16N8K16(AB)                                                              \
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." AB "." AB                       \
                ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"          \

@@ -17,7 +17,10 @@ cudaError_t launch_books(uint8_t* out, const void* k_cb, const void* v_cb, int k
 
 namespace {
 
-// out[req, head] = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max), skipping empty splits.
+// out[req, head] = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max), skipping empty splits;
+// with attention sinks, the sink joins that denominator here, once (with_sink). The splits'
+// results are sink-free: a sink in each would count it once per split that holds keys, and
+// the output would depend on how the codes were split.
 template <typename T>
 __global__ void reduce_kernel(DecodeArgs a) {
   const int req = blockIdx.x, head = blockIdx.y, slots = a.num_splits, d = a.head_dim;
@@ -37,7 +40,9 @@ __global__ void reduce_kernel(DecodeArgs a) {
         den += w;
       }
     }
-    out[dim] = Elem<T>::from_float(nan ? CUDART_NAN_F : den > 0.f ? num / den : 0.f);
+    float o = den > 0.f ? num / den : 0.f;
+    if (a.sinks != nullptr) o = with_sink<T>(a, head, o, mx + log2f(den));
+    out[dim] = Elem<T>::from_float(nan ? CUDART_NAN_F : o);
   }
 }
 

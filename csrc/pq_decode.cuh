@@ -44,7 +44,9 @@
 // log2-sum-exp and merged by reduce_kernel (pq_decode.cu), or, where a step has one split,
 // are the output, which the items write themselves. The last split with codes also reads the
 // full-precision window store (its own CTAs would each reserve the codebooks' shared memory
-// for nothing).
+// for nothing). An attention sink (DecodeArgs::sinks) joins the denominator once per query,
+// where the output is written: in the item's epilogue with one split, else in reduce_kernel
+// (with_sink).
 #pragma once
 
 #include <math_constants.h>
@@ -525,7 +527,11 @@ __device__ void plan_items(const DecodeArgs& a, int r0, ItemPlan* plans, int* pa
   pages[k * WARPS + warp] = page;
 }
 
-template <typename T, int D, int MK, int MV, bool LUT>
+// SINKS: the queries have attention sinks (DecodeArgs::sinks); a template flag rather than a
+// runtime check, so that kernels without sinks carry none of its code: at the 168-register
+// limit, a check in the epilogue alone moved ptxas's allocation (head_dim 128 at 4 bits: 68
+// bytes of spills where there were none).
+template <typename T, int D, int MK, int MV, bool LUT, bool SINKS>
 __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_kernel(DecodeArgs a) {
   using C = DecodeCfg<T, D, MK, MV>;
   static_assert(!LUT || C::kCbSmem, "the LUT takes the shared-memory codebook's place");
@@ -795,7 +801,9 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
       // den is 0 (no keys), positive, or NaN (a NaN-marked key, layout.py): NaN propagates
       const float o_val = den != 0.f ? num / den : 0.f;
       if (direct != nullptr) {
-        direct[idx] = Elem<T>::from_float(o_val);
+        // One split: the output, and where an attention sink joins its denominator (split
+        // results stay sink-free; reduce_kernel adds it once to their merge).
+        direct[idx] = Elem<T>::from_float(SINKS ? with_sink<T>(a, h0 + head, o_val, mstar + log2f(den)) : o_val);
         continue;
       }
       o_out[(int64_t)head * slots * D + dim] = o_val;
@@ -837,7 +845,7 @@ cudaError_t launch_books(uint8_t* out, const void* k_cb, const void* v_cb, int k
   }
 }
 
-template <typename T, int D, int MK, int MV, bool LUT>
+template <typename T, int D, int MK, int MV, bool LUT, bool SINKS>
 cudaError_t launch_kernel(const DecodeArgs& a, cudaStream_t stream) {
   using C = DecodeCfg<T, D, MK, MV>;
   // Set per call, not cached per process: the attribute belongs to the current device.
@@ -846,23 +854,27 @@ cudaError_t launch_kernel(const DecodeArgs& a, cudaStream_t stream) {
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev);
   if (err != cudaSuccess) return err;
   const int smem = C::smem_bytes(reserved);
-  err = cudaFuncSetAttribute(decode_kernel<T, D, MK, MV, LUT>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  err = cudaFuncSetAttribute(decode_kernel<T, D, MK, MV, LUT, SINKS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             smem);
   if (err != cudaSuccess) return err;
   const int group = a.num_heads / a.num_kv_heads;
   const int items = a.num_reqs * a.num_splits;
   dim3 grid(a.num_ctas > 0 ? min(a.num_ctas, items) : items, a.num_kv_heads * ceil_div(group, kHeadsPerCta));
-  decode_kernel<T, D, MK, MV, LUT><<<grid, C::kThreads, smem, stream>>>(a);
+  decode_kernel<T, D, MK, MV, LUT, SINKS><<<grid, C::kThreads, smem, stream>>>(a);
   return cudaGetLastError();
 }
 
 // a.lut asks for lookup-table scores; they exist for one query head per KV head with the
-// codebooks in shared memory, else the MMA path runs.
+// codebooks in shared memory, else the MMA path runs. Attention sinks take the MMA path (a
+// model with sinks and one query head per KV head gives up the tables' 7% at most, and a
+// fourth kernel per shape is not built).
 template <typename T, int D, int MK, int MV>
 cudaError_t launch_decode(const DecodeArgs& a, cudaStream_t stream) {
+  if (a.sinks != nullptr) return launch_kernel<T, D, MK, MV, false, true>(a, stream);
   if constexpr (DecodeCfg<T, D, MK, MV>::kCbSmem) {
-    if (a.lut && a.num_heads == a.num_kv_heads) return launch_kernel<T, D, MK, MV, true>(a, stream);
+    if (a.lut && a.num_heads == a.num_kv_heads) return launch_kernel<T, D, MK, MV, true, false>(a, stream);
   }
-  return launch_kernel<T, D, MK, MV, false>(a, stream);
+  return launch_kernel<T, D, MK, MV, false, false>(a, stream);
 }
 
 }  // namespace pq

@@ -81,6 +81,11 @@ struct DecodeArgs {
   int num_ctas;    // CTAs per KV-head group, taking the (request, split) items in rounds
                    // (see `order`); <= 0: one per item
   float scale;
+  // Attention sinks (gpt-oss): [Hq] one logit per query head, in the natural-log units of
+  // the scaled scores, that joins each query's softmax denominator once, with no value
+  // (vLLM's `sinks`); float32 if sinks_f32, else the activation dtype. Null: none.
+  const void* sinks;
+  bool sinks_f32;
   bool lut;       // score through Q.centroid lookup tables where supported (see pq_decode.cuh)
   float* ws_o;    // [R, Hq, num_splits, D]
   float* ws_lse;  // [R, Hq, num_splits] (log2 domain)

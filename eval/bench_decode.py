@@ -1,5 +1,6 @@
 """Decode attention side by side at Llama-3-8B shapes (32 query heads, 8 KV heads, d=128;
-``--shape qwen2.5-7b``: 28 query heads, 4 KV heads):
+``--shape qwen2.5-7b``: 28 query heads, 4 KV heads; ``--shape gpt-oss``: 64 query heads, 8
+KV heads, d=64, with --no-turboquant):
 CUSTOM (PQ CUDA kernels, window 128 or --window) vs FA3 paged decode (vllm_flash_attn, bf16 K/V,
 pages of 16 and 128 tokens, the faster reported) vs TURBOQUANT 4bit_nc decode (Triton),
 with a device-to-device copy measured in the same run as the bandwidth ceiling.
@@ -36,7 +37,7 @@ import torch
 from common import provenance, write_result
 
 HQ, HKV, D = 32, 8, 128
-SHAPES = {"llama3-8b": (32, 8), "qwen2.5-7b": (28, 4)}  # (query heads, KV heads), d = 128
+SHAPES = {"llama3-8b": (32, 8, 128), "qwen2.5-7b": (28, 4, 128), "gpt-oss": (64, 8, 64)}  # (Hq, Hkv, d)
 WINDOW, PQ_BLOCK = 128, 128
 L2_FLUSH = 256 << 20  # rotate inputs until they span this many bytes
 
@@ -82,13 +83,13 @@ def copies_for(nbytes: int) -> int:
 
 
 def bench_pq(batch, ctx, ms, gen, hq=HQ, hkv=HKV, lut=False, per_item=False, min_split=None, kernels=False,
-             window=WINDOW, lens=None, order=True):
+             window=WINDOW, lens=None, order=True, sinks=False, d=D):
     """``ms``: (Mk, Mv), K and V subspaces per head; ``per_item``: a CTA per (request,
     split) item instead of the backend's CTAs that take items in turn; ``min_split``: the
     kernel's shortest split (default the backend's, 0: even splits); ``kernels``: also each
     kernel's own device time (kernel_times); ``lens``: each request's context (default
     ``ctx`` for all); ``order``: requests dealt to the CTAs longest first, as the backend
-    does (False: in the batch's order)."""
+    does (False: in the batch's order); ``sinks``: with an attention sink per query head (gpt-oss)."""
     from vllm_pq_backend import cuda_ops, plans
     from vllm_pq_backend.layout import PageLayout
 
@@ -101,12 +102,12 @@ def bench_pq(batch, ctx, ms, gen, hq=HQ, hkv=HKV, lut=False, per_item=False, min
     cache = torch.randint(0, 256, (blocks, hkv, PQ_BLOCK, lay.state_bytes), dtype=torch.uint8,
                           device="cuda", generator=gen)
     bf16 = dict(device="cuda", generator=gen, dtype=torch.bfloat16)
-    cb = [torch.randn(hkv, m, 256, D // m, **bf16) for m in ms]
+    cb = [torch.randn(hkv, m, 256, d // m, **bf16) for m in ms]
     books = torch.ops.pq_backend.decode_books(*cb)  # the kernel's shared-memory image, once
     rows = torch.arange(batch, dtype=torch.int32, device="cuda")
-    win = [torch.randn(batch, hkv, max(window, 1), D, **bf16) for _ in range(2)]
-    q = torch.randn(batch, hq, D, **bf16)
-    new_kv = [torch.randn(batch, hkv, D, **bf16) for _ in range(2)]  # the kernel writes them
+    win = [torch.randn(batch, hkv, max(window, 1), d, **bf16) for _ in range(2)]
+    q = torch.randn(batch, hq, d, **bf16)
+    new_kv = [torch.randn(batch, hkv, d, **bf16) for _ in range(2)]  # the kernel writes them
     out = torch.empty_like(q)
     seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
     order_t = (torch.from_numpy(plans.decode_order(np.array(lens))).cuda() if order
@@ -115,18 +116,19 @@ def bench_pq(batch, ctx, ms, gen, hq=HQ, hkv=HKV, lut=False, per_item=False, min
     splits = plans.num_splits_for(batch, plans.ctas_per_split(hq, hkv), sms)
     min_split = plans.MIN_SPLIT_TOKENS if min_split is None else min_split
     ctas = 0 if per_item else plans.num_ctas_for(plans.ctas_per_split(hq, hkv), sms)
-    ws_o = torch.empty(batch * hq * splits * D, device="cuda")
+    ws_o = torch.empty(batch * hq * splits * d, device="cuda")
     ws_lse = torch.empty(batch * hq * splits, device="cuda")
+    sink = torch.randn(hq, **bf16) if sinks else q.new_empty(0)
 
     def run(i):
         torch.ops.pq_backend.decode(out, q, cache, tables[i], seq, order_t, cb[0], cb[1], books, win[0], win[1],
                                     rows, new_kv[0], new_kv[1], window, 0, splits, min_split, ctas,
-                                    D**-0.5,
+                                    d**-0.5, sink,
                                     lut, ws_o, ws_lse,
                                     *lay.kernel_args())
 
     us = timed(run, n)
-    must_read = code_bytes + 2 * hkv * 256 * D * 2  # codes + codebooks once
+    must_read = code_bytes + 2 * hkv * 256 * d * 2  # codes + codebooks once
     return us, must_read, splits, kernel_times(run, n) if kernels else {}
 
 
@@ -148,24 +150,24 @@ def kernel_times(fn_for_copy, n_copies: int, reps: int = 20) -> dict:
     return {k: round(v, 2) for k, v in times.items()}
 
 
-def bench_fa3(batch, ctx, block, gen, hq=HQ, hkv=HKV, lens=None):
+def bench_fa3(batch, ctx, block, gen, hq=HQ, hkv=HKV, lens=None, d=D):
     from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
 
     lens = [ctx] * batch if lens is None else lens
-    kv_bytes = sum(lens) * hkv * D * 2 * 2
+    kv_bytes = sum(lens) * hkv * d * 2 * 2
     n = copies_for(kv_bytes)
     tables, blocks = block_table(batch, ctx, block, n, gen)
     bf16 = dict(device="cuda", generator=gen, dtype=torch.bfloat16)
-    k = torch.randn(blocks, block, hkv, D, **bf16)
-    v = torch.randn(blocks, block, hkv, D, **bf16)
-    q = torch.randn(batch, hq, D, **bf16)
+    k = torch.randn(blocks, block, hkv, d, **bf16)
+    v = torch.randn(blocks, block, hkv, d, **bf16)
+    q = torch.randn(batch, hq, d, **bf16)
     out = torch.empty_like(q)
     cu_q = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
     seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
 
     def run(i):
         flash_attn_varlen_func(q=q, k=k, v=v, out=out, cu_seqlens_q=cu_q, max_seqlen_q=1,
-                               seqused_k=seq, max_seqlen_k=ctx, softmax_scale=D**-0.5,
+                               seqused_k=seq, max_seqlen_k=ctx, softmax_scale=d**-0.5,
                                causal=True, block_table=tables[i], fa_version=3)
 
     return timed(run, n), kv_bytes
@@ -246,6 +248,8 @@ def main() -> int:
     p.add_argument("--mix", type=int, nargs=2, metavar=("LO", "HI"),
                    help="each request's context drawn uniformly from LO..HI tokens (seeded; in place of "
                         "--contexts); CUSTOM also timed with its requests in the batch's order")
+    p.add_argument("--sinks", action="store_true",
+                   help="also time CUSTOM with an attention sink per query head, as gpt-oss has (custom_sinks_us)")
     p.add_argument("--batch-order", action="store_true",
                    help="also time CUSTOM with its requests dealt in the batch's order (custom_batch_order_us; "
                         "always with --mix)")
@@ -254,10 +258,13 @@ def main() -> int:
     from vllm_pq_backend import plans
     from vllm_pq_backend.layout import subspaces
 
+    hq, hkv, d = SHAPES[args.shape]
+    if d != D and not (args.no_turboquant or args.g_sweep):
+        p.error(f"--shape {args.shape} (head_dim {d}) times CUSTOM and FA3 only: add --no-turboquant")
     args.settings = []
     for b in args.bits:  # "4/2" -> K 4 bits, V 2 bits
         bk, _, bv = b.partition("/")
-        args.settings.append((b, (subspaces(D, int(bk)), subspaces(D, int(bv or bk)))))
+        args.settings.append((b, (subspaces(d, int(bk)), subspaces(d, int(bv or bk)))))
     if args.contexts is None:
         args.contexts = [4096, 32768] if args.g_sweep else [1024, 4096, 16384, 32768, 65536, 131072]
     if args.batches is None:
@@ -269,7 +276,6 @@ def main() -> int:
         write_result(args.out, dict(stamp, head_dim=D, kv_heads=8, pq_block=PQ_BLOCK, window=WINDOW, rows=rows))
         return 0
     copy_gbs = copy_bandwidth()
-    hq, hkv = SHAPES[args.shape]
     nan = float("nan")
     rows = []
     print(f"device {torch.cuda.get_device_name()}, copy {copy_gbs:.0f} GB/s (read+write)", flush=True)
@@ -284,17 +290,20 @@ def main() -> int:
         cases = [(ctx, b, None) for ctx in args.contexts for b in args.batches]
     for ctx, batch, lens in cases:
         top = ctx if lens is None else max(lens)
-        fa16, fa_bytes = bench_fa3(batch, top, 16, gen, hq, hkv, lens)
-        fa128, _ = bench_fa3(batch, top, 128, gen, hq, hkv, lens)
+        fa16, fa_bytes = bench_fa3(batch, top, 16, gen, hq, hkv, lens, d=d)
+        fa128, _ = bench_fa3(batch, top, 128, gen, hq, hkv, lens, d=d)
         tq, tq_bytes = (nan, 0) if args.no_turboquant else bench_turboquant(batch, ctx, gen, hq, hkv)
         for bits, ms in args.settings:
             us, must, splits, ktimes = bench_pq(batch, top, ms, gen, hq, hkv, min_split=args.min_split,
-                                                kernels=args.kernel_times, window=args.window, lens=lens)
+                                                kernels=args.kernel_times, window=args.window, lens=lens, d=d)
             per_item = (bench_pq(batch, top, ms, gen, hq, hkv, per_item=True, min_split=args.min_split,
-                                 window=args.window, lens=lens)[0]
+                                 window=args.window, lens=lens, d=d)[0]
                         if args.per_item else nan)
+            with_sinks = (bench_pq(batch, top, ms, gen, hq, hkv, min_split=args.min_split, window=args.window,
+                                   lens=lens, sinks=True, d=d)[0]
+                          if args.sinks else nan)
             batch_order = (bench_pq(batch, top, ms, gen, hq, hkv, min_split=args.min_split,
-                                    window=args.window, lens=lens, order=False)[0]
+                                    window=args.window, lens=lens, order=False, d=d)[0]
                            if lens is not None or args.batch_order else nan)
             fa = min(fa16, fa128)
             gbs = must / (us * 1e-6) / 1e9
@@ -308,13 +317,15 @@ def main() -> int:
                 custom_pct_copy=round(100 * gbs / copy_gbs, 1), splits=splits,
                 min_split=plans.MIN_SPLIT_TOKENS if args.min_split is None else args.min_split,
                 custom_per_item_us=_num(per_item, 2), custom_batch_order_us=_num(batch_order, 2),
+                custom_sinks_us=_num(with_sinks, 2),
                 **(dict(lens=lens, mix=args.mix) if lens is not None else {}),
                 **(dict(custom_kernel_us=ktimes) if args.kernel_times else {}),
             ))
             print(f"{ctx:7d} {batch:5d} {bits:>4} | {us:9.1f} {fa16:8.1f}/{fa128:<8.1f} {tq:8.1f} | "
                   f"{fa / us:5.2f} {tq / us:5.2f} | {gbs:7.0f} ({100 * gbs / copy_gbs:4.1f}%)"
-                  + (f" | batch order {batch_order:.1f}" if not math.isnan(batch_order) else ""), flush=True)
-        result = dict(stamp, shapes=dict(model=args.shape, q_heads=hq, kv_heads=hkv, head_dim=D, pq_block=PQ_BLOCK,
+                  + (f" | batch order {batch_order:.1f}" if not math.isnan(batch_order) else "")
+                  + (f" | sinks {with_sinks:.1f}" if not math.isnan(with_sinks) else ""), flush=True)
+        result = dict(stamp, shapes=dict(model=args.shape, q_heads=hq, kv_heads=hkv, head_dim=d, pq_block=PQ_BLOCK,
                       window=args.window), copy_gbs=round(copy_gbs, 1), rows=rows)
         with open(args.out, "w") as f:  # after each case: a cut-short run keeps its rows
             json.dump(result, f, indent=1)

@@ -78,8 +78,8 @@ def run_kernel(c, splits, ctas=0, min_split=0, order=None):
     torch.ops.pq_backend.decode(
         out, c["q"], c["cache"], c["table"], c["seq"], order, c["k_cb"], c["v_cb"], book_image(c), c["win_k"],
         c["win_v"], c["rows"], c.get("new_k", empty), c.get("new_v", empty), c["window"],
-        c["sliding"], splits, min_split, ctas, c["scale"], c["lut"], ws_o, ws_lse,
-        *c["lay"].kernel_args(),
+        c["sliding"], splits, min_split, ctas, c["scale"], c.get("sinks", empty), c["lut"], ws_o,
+        ws_lse, *c["lay"].kernel_args(),
     )
     return out
 
@@ -92,7 +92,7 @@ def run_reference(c):
     return reference.attention(
         c["q"], key, value, c["cache"], c["k_cb"].float(), c["v_cb"].float(), c["lay"],
         list(range(len(lens) + 1)), lens.tolist(), c["table"], c["scale"], w,
-        c["win_k"], c["win_v"], rows.tolist(), c["sliding"],
+        c["win_k"], c["win_v"], rows.tolist(), c["sliding"], c.get("sinks"),
     )
 
 
@@ -318,6 +318,76 @@ def test_store_marks_non_finite_vectors(aligned, grid, dtype, n):
     assert (kc[5, 1, 0], kc[9, 0, 0]) == (7, 7)
 
 
+# gpt-oss: head_dim 64 (4 bits: 32 subspaces), 8 query heads per KV head, 8 KV heads;
+# contexts from one token to several splits' worth
+GPT_OSS_LENS = [1, 2, 33, 127, 128, 129, 200, 1500, 4099, 9000]
+
+
+def gpt_oss_case(*, window, sliding, seed):
+    return paged_case(GPT_OSS_LENS, d=64, m=32, g=8, hkv=8, block=128, dtype=torch.bfloat16,
+                      window=window, seed=seed, sliding=sliding)
+
+
+# (sliding window, PQ window): full layers with and without a window, 128-token sliding
+# layers (whose PQ window must be smaller: 64)
+SINK_LAYERS = [(0, 0), (0, 128), (128, 0), (128, 64)]
+
+
+@pytest.mark.parametrize("splits,min_split", [(1, 0), (4, 0), (16, 0), (16, 256)])
+@pytest.mark.parametrize("sliding,window", SINK_LAYERS)
+def test_decode_sinks(sliding, window, splits, min_split):
+    """Attention sinks (gpt-oss), one logit per query head from below to above the rows'
+    scores: each joins its query's denominator once, where one split writes the output and
+    where reduce_kernel merges several (the split results are sink-free). Every (request,
+    head) row within bfloat16's bound of the reference; the same rows with the sink counted
+    twice (its logit + ln 2) are outside it, so the check would see a sink per split."""
+    c = gpt_oss_case(window=window, sliding=sliding, seed=100 + sliding + window + splits)
+    c["sinks"] = torch.linspace(-2.0, 12.0, 64, device=DEV).to(torch.bfloat16)
+    out = run_kernel(c, splits, min_split=min_split)
+    ref = run_reference(c)
+    assert not torch.isnan(out).any()
+    err = row_errors(out, ref)
+    worst = int(err.argmax())
+    assert err[worst] < TOL[torch.bfloat16], f"row {worst} (request, head): relative error {err[worst]:.2e}"
+    twice = run_reference({**c, "sinks": c["sinks"].float() + math.log(2.0)})
+    assert (row_errors(twice, ref) > TOL[torch.bfloat16]).any()
+
+
+@pytest.mark.parametrize("sink_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", [1, 5])
+def test_decode_sinks_far_above_and_below(splits, sink_dtype):
+    """A sink far above every score takes nearly the whole softmax: each row shrinks to
+    about e^-30 of itself, still within bfloat16's bound of the reference. One far below
+    (or -inf) is no sink: the rows are those without sinks, bit for bit. float32 sinks and
+    the model's dtype alike."""
+    c = gpt_oss_case(window=128, sliding=0, seed=7 + splits)
+    plain = run_kernel(c, splits)
+    for low in (float("-inf"), -1e4):
+        c["sinks"] = torch.full((64,), low, dtype=sink_dtype, device=DEV)
+        assert torch.equal(run_kernel(c, splits), plain)
+    c["sinks"] = torch.full((64,), 40.0, dtype=sink_dtype, device=DEV)
+    out = run_kernel(c, splits)
+    assert (out.float().norm(dim=-1) < 1e-9 * plain.float().norm(dim=-1)).all()
+    err = row_errors(out, run_reference(c))
+    assert err.max() < TOL[torch.bfloat16], err.max()
+
+
+@pytest.mark.parametrize("ctas", [1, 7])
+def test_decode_sinks_one_query_head_per_kv_head_and_ctas_in_turn(ctas):
+    """One query head per KV head with lookup tables asked for (sinks take the MMA scores),
+    fp32 sinks, CTAs that take several items in turn, and a padding request (no keys: 0,
+    sink or not)."""
+    c = paged_case(MIXED + [0], d=64, m=32, g=1, hkv=8, block=64, dtype=torch.bfloat16,
+                   window=64, seed=ctas, lut=True)
+    c["sinks"] = torch.linspace(-2.0, 12.0, 8, device=DEV)
+    for splits in (1, 3):
+        out = run_kernel(c, splits, ctas=ctas)
+        assert torch.equal(out[-1], torch.zeros_like(out[-1]))
+        live = {**c, **{k: c[k][:-1] for k in ("q", "seq", "rows", "table")}}
+        err = row_errors(out[:-1], run_reference(live))
+        assert err.max() < TOL[torch.bfloat16], (splits, err.max())
+
+
 def test_decode_128k_context():
     c = paged_case([131072, 70001, 5], d=128, m=64, g=4, hkv=8, block=128,
                    dtype=torch.bfloat16, window=128, seed=128)
@@ -370,7 +440,7 @@ def test_decode_replays_in_a_cuda_graph():
     order = torch.arange(8, dtype=torch.int32, device=DEV)
     args = lambda: (out, c["q"], c["cache"], c["table"], c["seq"], order, c["k_cb"], c["v_cb"],  # noqa: E731
                     image, c["win_k"], c["win_v"], c["rows"], empty, empty, 128, 0, 4, 0, 3, c["scale"],
-                    False, ws_o, ws_lse, *c["lay"].kernel_args())
+                    empty, False, ws_o, ws_lse, *c["lay"].kernel_args())
     torch.ops.pq_backend.decode(*args())  # warm up outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -530,7 +600,7 @@ def _decode_args(c, **over):
                 seq=c["seq"], order=c["seq"].new_empty(0), k_cb=c["k_cb"], v_cb=c["v_cb"], books=book_image(c), win_k=c["win_k"],
                 win_v=c["win_v"],
                 rows=c["rows"], new_k=empty, new_v=empty, window=c["window"], sliding=0, splits=2,
-                min_split=0, ctas=0, scale=c["scale"], lut=False,
+                min_split=0, ctas=0, scale=c["scale"], sinks=empty, lut=False,
                 ws_o=torch.empty(r * hq * 3 * d, device=DEV), ws_lse=torch.empty(r * hq * 3, device=DEV))
     args.update(over)
     return list(args.values()) + list(c["lay"].kernel_args())
@@ -552,6 +622,8 @@ def _decode_args(c, **over):
     ("cache_misaligned", "kv_cache must start 16-byte aligned"),
     ("books_misaligned", "books must start 16-byte aligned"),
     ("win_misaligned", "win_k must start 16-byte aligned"),
+    ("sinks_shape", "sinks has shape"),
+    ("sinks_dtype", "sinks must be contiguous float32 or BFloat16"),
 ])
 def test_decode_rejects_bad_inputs(bad, message):
     """Each malformed input is refused before launch, naming the tensor."""
@@ -579,6 +651,8 @@ def test_decode_rejects_bad_inputs(bad, message):
         "cache_misaligned": dict(cache=shifted(c["cache"], 1)),
         "books_misaligned": dict(books=shifted(book_image(c), 8)),
         "win_misaligned": dict(win_k=shifted(c["win_k"], 4)),
+        "sinks_shape": dict(sinks=torch.zeros(3, device=DEV)),
+        "sinks_dtype": dict(sinks=torch.zeros(4, dtype=torch.float16, device=DEV)),
     }[bad]
     with pytest.raises(RuntimeError, match=message):
         torch.ops.pq_backend.decode(*_decode_args(c, **over))

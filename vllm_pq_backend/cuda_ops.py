@@ -109,17 +109,19 @@ def decode(out: Tensor, q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_le
            order: Tensor, k_cb: Tensor, v_cb: Tensor, books: Tensor, win_k: Tensor,
            win_v: Tensor, rows: Tensor, new_k: Tensor, new_v: Tensor, *, window: int,
            sliding_window: int, num_splits: int, min_split: int, num_ctas: int, scale: float,
-           lut: bool, ws_o: Tensor, ws_lse: Tensor, layout: PageLayout) -> None:
+           sinks: Tensor, lut: bool, ws_o: Tensor, ws_lse: Tensor, layout: PageLayout) -> None:
     """Attention of one query row per request (``q [requests, Hq, D]``) over its context:
     the codes in its pages, and with ``window > 0`` the window store's row ``rows[r]``,
     into which ``new_k`` / ``new_v`` (the step's rows) are written first. The requests are
     taken in ``order``, their codes in ``num_splits`` splits of at least ``min_split``
     tokens by ``num_ctas`` CTAs per KV head group (plans.DecodePlan), the split results in
-    ``ws_o`` / ``ws_lse``; ``lut``: scores by lookup tables (ops.lut_scores)."""
+    ``ws_o`` / ``ws_lse``; ``lut``: scores by lookup tables (ops.lut_scores). ``sinks``
+    ``[Hq]`` (float32 or ``q``'s dtype; empty: none): each head's attention sink, which
+    joins every query's softmax denominator once (reference.add_sink)."""
     torch.ops.pq_backend.decode(
         out, q, kv_cache, block_table, seq_lens, order, k_cb, v_cb, books, win_k, win_v, rows,
-        new_k, new_v, window, sliding_window, num_splits, min_split, num_ctas, scale, lut,
-        ws_o, ws_lse, *layout.kernel_args())
+        new_k, new_v, window, sliding_window, num_splits, min_split, num_ctas, scale, sinks,
+        lut, ws_o, ws_lse, *layout.kernel_args())
 
 
 @_fake("decode")

@@ -83,6 +83,7 @@ def decode(out, query, key, value, kv_cache, md, st, scale: float) -> None:
         key if w > 0 else empty(), value if w > 0 else empty(),
         window=w, sliding_window=st.sliding_window, num_splits=plan.num_splits,
         min_split=plan.min_split, num_ctas=plan.num_ctas, scale=scale,
+        sinks=empty() if st.sinks is None else st.sinks,
         lut=lut_scores(hq, st.k_cb.shape[0], st.d, st.layout.m_k),
         ws_o=plan.ws_o[: slots * st.d], ws_lse=plan.ws_lse[:slots], layout=st.layout,
     )

@@ -63,7 +63,7 @@ def make_case(chunks, *, d, mk, mv, g, hkv, block, dtype, seed):
                 positions=positions, requests=requests, runs=runs, scale=d**-0.5)
 
 
-def run(ca, c, window, sliding, splits):
+def run(ca, c, window, sliding, splits, sinks=None):
     req, row0, rows, pos0 = zip(*c["runs"])
     g = c["q"].shape[1] // c["k_cb"].shape[0]
     tiles = [torch.as_tensor(x, device=DEV) for x in
@@ -71,7 +71,7 @@ def run(ca, c, window, sliding, splits):
     return ca.codes_attention(
         c["q"].to(DEV), c["cache"].to(DEV), c["table"].to(DEV), c["k_cb"].to(DEV),
         c["v_cb"].to(DEV), c["lay"], tiles, max(c["positions"]) + 1, window, sliding,
-        c["scale"], splits=splits)
+        c["scale"], splits=splits, sinks=None if sinks is None else sinks.to(DEV))
 
 
 def check(c, out, lse, window, sliding, dtype):
@@ -155,8 +155,11 @@ def test_kernel_compiles_for_hopper():
     import subprocess
     import sys
 
-    env = dict(os.environ, TRITON_INTERPRET="0")
     here = os.path.dirname(os.path.abspath(__file__))
+    # this checkout's package, not whichever one is installed
+    root = os.path.dirname(here)
+    env = dict(os.environ, TRITON_INTERPRET="0",
+               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     res = subprocess.run([sys.executable, os.path.join(here, "compile_codes_attention.py")],
                          env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -274,3 +277,58 @@ def test_merge_rows_matches_reference(ca, hq, d, dtype):
     err = (got[rows].float() - want[rows].float()).nan_to_num(0.0).abs().amax(-1)  # [rows, hq]
     bound = TOL[dtype] * want[rows].float().nan_to_num(0.0).abs().amax(-1).clamp_min(1.0)
     assert (err <= bound).all(), f"max error {err.max()}"
+
+
+def sink_case(ca, window, sliding, splits, seed):
+    """A case with GQA 8 at head_dim 64 (gpt-oss's shape), its rows without sinks, and
+    each head's sink-free reference (out, lse)."""
+    c = make_case([(400, 40), (97, 97), (33, 2)], d=64, mk=32, mv=32, g=8, hkv=2, block=32,
+                  dtype=torch.float16, seed=seed)
+    want = reference.codes_part(c["q"], c["positions"], c["requests"], c["cache"], c["k_cb"],
+                                c["v_cb"], c["lay"], c["table"], c["scale"], window, sliding)
+    return c, want
+
+
+@pytest.mark.parametrize("window,sliding,splits", [(0, 0, 1), (0, 0, 5), (32, 0, 3), (32, 128, 4)])
+def test_codes_part_with_sinks(ca, window, sliding, splits):
+    """Attention sinks in the kernel, head by head from below to above the rows' scores:
+    reference.add_sink of the sink-free part, row by row, its LSE counting the sink once
+    whatever the split count (split 0 alone carries it; the check sees a sink counted
+    twice). Rows that read no code (window rows) get 0 and the sink's LSE."""
+    c, (o_ref, lse_ref) = sink_case(ca, window, sliding, splits, seed=splits + window)
+    hq = c["q"].shape[1]
+    sinks = torch.linspace(-2.0, 8.0, hq).to(torch.bfloat16)  # vLLM hands the model's dtype
+    c["sinks"] = sinks
+    out, lse = (x.cpu() for x in run(ca, c, window, sliding, splits, sinks=sinks))
+    want, want_lse = reference.add_sink(o_ref, lse_ref, sinks)
+    twice = reference.add_sink(o_ref, lse_ref, sinks.float() + math.log(2.0))[0]
+    scale = o_ref.abs().amax(-1)  # [rows, Hq]: the row's size without the sink
+    bound = TOL[torch.float16] * scale.clamp_min(1e-3)
+    err = (out - want).abs().amax(-1)
+    bad = err > bound
+    assert not bad.any(), f"(row, head) {torch.nonzero(bad)[:5].tolist()} err {err[bad][:5]}"
+    assert ((twice - want).abs().amax(-1) > bound).any(), "the check cannot see a sink counted twice"
+    assert (lse - want_lse).abs().max() <= 2e-3 * max(1.0, want_lse.abs().max())
+    unread = torch.isinf(lse_ref)
+    assert unread.any() == (window > 0)
+    assert (out[unread.T] == 0).all() and torch.equal(lse[unread], want_lse[unread])
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_codes_part_sinks_far_above_and_below(ca, splits):
+    """A sink far above every score takes the whole softmax: every row shrinks to 0 and
+    its LSE is the sink's. One far below (or -inf) is no sink: the same rows bit for bit."""
+    window, sliding = 32, 0
+    c, (o_ref, _) = sink_case(ca, window, sliding, splits, seed=7)
+    hq = c["q"].shape[1]
+    plain, plain_lse = (x.cpu() for x in run(ca, c, window, sliding, splits))
+    high = torch.full((hq,), 60.0)
+    out, lse = (x.cpu() for x in run(ca, c, window, sliding, splits, sinks=high))
+    assert (out.abs().amax(-1) <= 1e-6 * o_ref.abs().amax(-1).clamp_min(1e-3)).all()
+    assert (lse - 60.0).abs().max() < 1e-3
+    for low in (float("-inf"), -1e4):
+        sinks = torch.full((hq,), low, dtype=torch.bfloat16)
+        out, lse = (x.cpu() for x in run(ca, c, window, sliding, splits, sinks=sinks))
+        assert torch.equal(out, plain)
+        fin = torch.isfinite(plain_lse)
+        assert torch.equal(lse[fin], plain_lse[fin])

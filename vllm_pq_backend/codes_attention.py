@@ -54,8 +54,10 @@ def _codes_attention_kernel(
     table_ptr, table_stride,  # [requests, blocks] int32 vLLM block ids
     kcb_ptr, vcb_ptr,  # [Hkv, M, 256, D / M] activation dtype
     tile_req_ptr, tile_row_ptr, tile_rows_ptr, tile_pos_ptr,  # per tile (int32)
+    sink_ptr,  # [Hq] attention sinks (natural log, as the scaled scores), with USE_SINKS
     split_keys,  # keys per split (a multiple of BLOCK_N)
     scale_log2,  # softmax scale * log2(e)
+    USE_SINKS: tl.constexpr,
     WINDOW: tl.constexpr, SLIDING: tl.constexpr,
     HEAD_DIM: tl.constexpr, MK: tl.constexpr, MV: tl.constexpr, PAGE: tl.constexpr,
     K_OFF: tl.constexpr, K_TOK: tl.constexpr, V_OFF: tl.constexpr, V_SUB: tl.constexpr,
@@ -104,6 +106,13 @@ def _codes_attention_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if USE_SINKS:
+        # The sink joins the denominator as a key of logit s and value 0: as the running
+        # maximum s with sum 2^(s - s) = 1. In split 0 only, so that merge_splits counts it
+        # once per row whatever the split count (every split runs for every tile).
+        if split == 0:
+            m_i = tl.load(sink_ptr + head).to(tl.float32) * 1.4426950408889634
+            l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     nan_reads = tl.zeros([BLOCK_M], tl.int32)
     for n0 in range(lo, hi, BLOCK_N):
@@ -223,12 +232,14 @@ def plan(runs: list[tuple[int, int, int, int]], group: int, head_dim: int, kv_he
 
 def codes_attention(q, kv_cache, block_table, k_cb, v_cb, layout: PageLayout, tiles,
                     max_keys: int, window: int, sliding_window: int, scale: float,
-                    splits: int = 1):
+                    splits: int = 1, sinks=None):
     """Partial attention ``(out [rows, Hq, D] fp32, lse [Hq, rows] natural log)`` of query
     rows ``q [rows, Hq, D]`` over their requests' keys read through codes (module doc).
     ``tiles``: device int32 (request, first row, rows, first position) from plan_tiles;
     ``max_keys``: a bound on any tile's keys (for the splits). A row that reads no key
-    gets out 0 and lse -inf."""
+    gets out 0 and lse -inf. ``sinks [Hq]`` (or None): each head's attention sink joins
+    every row's denominator once (reference.add_sink), and the LSE counts it: give them
+    only where this is the whole of the rows' attention or the one part that counts them."""
     rows, hq, d = q.shape
     hkv = k_cb.shape[0]
     tile_req, tile_row, tile_rows, tile_pos = tiles
@@ -254,8 +265,8 @@ def codes_attention(q, kv_cache, block_table, k_cb, v_cb, layout: PageLayout, ti
             pages, pages.stride(0), pages.stride(1),
             block_table, block_table.stride(0),
             k_cb, v_cb,
-            tile_req, tile_row, tile_rows, tile_pos,
-            split_keys, scale * math.log2(math.e),
+            tile_req, tile_row, tile_rows, tile_pos, sinks,
+            split_keys, scale * math.log2(math.e), USE_SINKS=sinks is not None,
             WINDOW=window, SLIDING=sliding_window,
             HEAD_DIM=d, MK=layout.m_k, MV=layout.m_v, PAGE=layout.block_size,
             K_OFF=k_off, K_TOK=k_tok, V_OFF=v_off, V_SUB=v_sub,

@@ -294,24 +294,41 @@ class Sim:
         return torch.stack(outs)
 
 
+def use_gpu_paths(monkeypatch, sim, path):
+    """The GPU prefill paths on the CPU: FlashAttention and vLLM's Triton attention by
+    PyTorch stand-ins (below); "codes": every group that reads codes on the codes kernel
+    (in Triton's interpreter), else none."""
+    from vllm_pq_backend import codes_attention, ops
+
+    sim.builder.fallback = False
+    monkeypatch.setattr(ops, "flash_attn_for", lambda t: (varlen_sdpa, lambda **kw: 3))
+    monkeypatch.setattr(ops, "triton_attn_for", lambda t: unified_attention_sdpa)
+    monkeypatch.setattr(codes_attention, "BREAK_EVEN_ROWS", 10**9 if path == "codes" else -1)
+
+
 def unified_attention_sdpa(q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k,
                            softmax_scale, causal, window_size, block_table, softcap,
-                           q_descale, k_descale, v_descale):
+                           q_descale, k_descale, v_descale, sinks=None):
     """vLLM's unified Triton attention (the subset batch-invariant mode uses): paged K/V
-    ``[blocks, B, H, d]``, bottom-right causal, optionally a sliding window ``(sw - 1, 0)``."""
+    ``[blocks, B, H, d]``, bottom-right causal, optionally a sliding window ``(sw - 1, 0)``
+    and attention sinks (``sinks [Hq]``, as FlashAttention's ``s_aux``)."""
     assert causal and window_size[1] in (-1, 0) and softcap == 0 and q_descale is None
     assert k_descale.shape == (len(seqused_k), k.shape[2]) and (k_descale == 1).all()
     varlen_sdpa(q, k, v, cu_seqlens_q, max_seqlen_q, softmax_scale, True, max_seqlen_k,
-                seqused_k=seqused_k, block_table=block_table, out=out, window_size=window_size)
+                seqused_k=seqused_k, block_table=block_table, out=out, window_size=window_size,
+                s_aux=sinks)
 
 
 def varlen_sdpa(q, k, v, cu_seqlens_q, max_seqlen_q, softmax_scale, causal, max_seqlen_k,
                 cu_seqlens_k=None, seqused_k=None, block_table=None, out=None,
-                return_softmax_lse=False, fa_version=None, num_splits=0, window_size=(-1, -1)):
+                return_softmax_lse=False, fa_version=None, num_splits=0, window_size=(-1, -1),
+                s_aux=None):
     """FlashAttention's varlen API (the subset the backend uses) in plain PyTorch:
     packed or paged K/V, bottom-right alignment of queries to keys (for causal and for
     ``window_size = (left, right)``, -1 unbounded), LSE ``[H, tokens]``; a row without keys
-    gives 0 and LSE -inf, as FlashAttention."""
+    gives 0 and LSE -inf, as FlashAttention. ``s_aux [Hq]``: attention sinks as FA3 takes
+    them, a logit per query head in each row's softmax with no value, which the LSE counts
+    (FA3's Softmax::finalize_aux)."""
     left, right = window_size
     nq, hq, d = q.shape
     g = hq // k.shape[-2]
@@ -338,8 +355,13 @@ def varlen_sdpa(q, k, v, cu_seqlens_q, max_seqlen_q, softmax_scale, causal, max_
             sc = sc.masked_fill(kj > qi + right, float("-inf"))
         if left >= 0:
             sc = sc.masked_fill(kj < qi - left, float("-inf"))
+        if s_aux is not None:  # the sink as one more logit of every row, with no value
+            sink = s_aux.float().view(-1, 1, 1).expand(-1, b - a, 1)
+            sc = torch.cat([sc, sink], -1)
         lse[:, a:b] = torch.logsumexp(sc, -1)
         p = sc.softmax(-1).nan_to_num(0.0)  # rows without keys: 0
+        if s_aux is not None:
+            p = p[..., :-1]
         o[a:b] = torch.einsum("hqk,khd->qhd", p, vv.float().repeat_interleave(g, 1))
     if out is not None:
         out.copy_(o)

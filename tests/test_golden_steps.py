@@ -28,7 +28,7 @@ import platform
 import pytest
 import torch
 
-from helpers import Sim, unified_attention_sdpa, varlen_sdpa, vllm_config
+from helpers import Sim, use_gpu_paths, vllm_config
 
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden_steps.json")
 RECORD = os.environ.get("PQ_RECORD_GOLDEN") == "1"
@@ -62,18 +62,6 @@ def digest(t: torch.Tensor) -> str:
     """120 bits of the tensor's SHA-256, in URL-safe base64."""
     raw = hashlib.sha256(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
     return base64.urlsafe_b64encode(raw.digest()[:15]).decode()
-
-
-def use_gpu_paths(monkeypatch, sim, path):
-    """The GPU prefill paths on the CPU: FlashAttention and vLLM's Triton attention by
-    PyTorch stand-ins (helpers.py); "codes": every group that reads codes on the codes
-    kernel, else none."""
-    from vllm_pq_backend import codes_attention, ops
-
-    sim.builder.fallback = False
-    monkeypatch.setattr(ops, "flash_attn_for", lambda t: (varlen_sdpa, lambda **kw: 3))
-    monkeypatch.setattr(ops, "triton_attn_for", lambda t: unified_attention_sdpa)
-    monkeypatch.setattr(codes_attention, "BREAK_EVEN_ROWS", 10**9 if path == "codes" else -1)
 
 
 def run(sim):

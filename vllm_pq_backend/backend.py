@@ -11,7 +11,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from .config import DEFAULT_BLOCK_SIZE
 from .engine_config import EngineConfig
-from .impl import PQAttentionImpl
+from .impl import SERVES_SINKS, PQAttentionImpl
 from .layout import BLOCK_ALIGN, HEAD_DIMS, PageLayout
 from .metadata import PQMetadataBuilder
 
@@ -42,6 +42,10 @@ class PQAttentionBackend(AttentionBackend):
     @staticmethod
     def get_builder_cls():
         return PQMetadataBuilder
+
+    @classmethod
+    def supports_sink(cls) -> bool:
+        return SERVES_SINKS
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
@@ -127,7 +131,7 @@ class PQAttentionBackend(AttentionBackend):
             reasons.append(
                 f"{name} supports decoder self-attention only, not {attn_type} attention."
             )
-        if has_sink:
+        if has_sink and not cls.supports_sink():
             reasons.append(f"{name} does not support attention sinks.")
         if use_mm_prefix:
             reasons.append(f"{name} does not support bidirectional multimodal prefixes.")

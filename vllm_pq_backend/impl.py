@@ -14,6 +14,11 @@ from .metadata import PQMetadata
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler, see __init__
 
+# Attention sinks (gpt-oss) reach every path: the decode kernel, each prefill path and the
+# reference. Start-up refuses them (PQAttentionBackend.supports_sink, PQAttentionImpl) until
+# the GPU tests have passed: tests/test_sinks.py and tests/test_kernels_gpu.py -k sink.
+SERVES_SINKS = False
+
 
 class LayerState:
     """One layer's codebooks, maps, window store and ops, on the layer's device."""
@@ -64,9 +69,6 @@ class LayerState:
         self.window = cfg.window
         self.sliding_window = impl.sliding_window
         self.sinks = impl.sinks
-        if self.sinks is not None and self.kernels:
-            raise NotImplementedError("The CUSTOM (PQ) backend's CUDA kernels do not take "
-                                      "attention sinks yet.")
         self.win_k = self.win_v = None
         if self.window > 0:
             rows = cfg.window_rows(impl.num_kv_heads, dtype, device) + 1  # + the scratch row
@@ -76,7 +78,11 @@ class LayerState:
         self.d = impl.head_size
         # FlashAttention's version for prefill, chosen once: vLLM's choice walks the platform and
         # config each call, a host cost every layer of every step that carries a prompt
-        self.fa_version = ops.flash_attn_version(device, impl.head_size)
+        self.fa_version = ops.flash_attn_version(device, impl.head_size, self.sinks is not None)
+        if self.sinks is not None and self.fa_version == 2:
+            raise NotImplementedError("The CUSTOM (PQ) backend's prefill takes attention sinks "
+                                      "through FlashAttention 3, but FlashAttention 2 is selected; "
+                                      "drop --attention-config.flash_attn_version=2.")
         # The profiling run's peak must include a prefill group's transient pages and the
         # decode kernel's split results (which the metadata builder allocates after vLLM
         # sized the KV cache), so that vLLM leaves room for them.
@@ -155,7 +161,7 @@ class PQAttentionImpl(AttentionImpl[PQMetadata]):
             "logits soft-capping": bool(logits_soft_cap),
             f"attention type {attn_type}": attn_type != AttentionType.DECODER,
             "cross-layer KV sharing": kv_sharing_target_layer_name is not None,
-            "attention sinks": kwargs.get("sinks") is not None,
+            "attention sinks": kwargs.get("sinks") is not None and not SERVES_SINKS,
         }
         bad = [name for name, on in unsupported.items() if on]
         if bad:

@@ -128,32 +128,36 @@ def _flash_paged(out, q, kp, vp, cu_q, max_q, used, max_k, table, st, scale) -> 
         q=q, k=kp, v=vp, out=out, cu_seqlens_q=cu_q, max_seqlen_q=max_q, seqused_k=used,
         max_seqlen_k=max_k, softmax_scale=scale, causal=True, block_table=table,
         window_size=_causal_window(st), num_splits=splits, fa_version=st.fa_version,
+        s_aux=_fa_sinks(st),
     )
 
 
 def _codes(plan: CodesPlan, out, q, k, v, kv_cache, st, scale) -> None:
     """The codes part by codes_attention's kernel; with a window, each segment's rows over
     its own full-precision keys by FlashAttention first (all within W < sliding window of
-    each other), and the codes part merged into the rows that read codes."""
+    each other), and the codes part merged into the rows that read codes. Attention sinks
+    join once per row, in the part every row has: the codes part without a window, else
+    FlashAttention's, whose LSE counts them, so the LSE merge with the sink-free codes part
+    keeps them once (reference.add_sink)."""
     t = plan.tiles
 
-    def codes_part():  # (out fp32, lse) of every row of the group (unread rows: garbage)
+    def codes_part(sinks):  # (out fp32, lse) of every row of the group (unread rows: garbage)
         return codes_attention.codes_attention(
             q, kv_cache, plan.block_table, st.k_cb, st.v_cb, st.layout, t.tiles, t.max_keys,
-            st.window, st.sliding_window, scale, splits=t.splits)
+            st.window, st.sliding_window, scale, splits=t.splits, sinks=sinks)
 
     if plan.window is None:
-        out.copy_(codes_part()[0])
+        out.copy_(codes_part(st.sinks)[0])
         return
     part = plan.window
     seg_k, seg_v = _segment_keys(part.keys, k, v, st)
     _, lse_fp = _varlen(q)(
         q=q, k=seg_k, v=seg_v, out=out, cu_seqlens_q=part.seg_cu_q, max_seqlen_q=part.seg_max_q,
         cu_seqlens_k=part.seg_cu_k, max_seqlen_k=part.seg_max_k, softmax_scale=scale,
-        causal=True, return_softmax_lse=True, fa_version=st.fa_version,
+        causal=True, return_softmax_lse=True, fa_version=st.fa_version, s_aux=_fa_sinks(st),
     )
     if part.code_out.numel():
-        o_c, lse_c = codes_part()
+        o_c, lse_c = codes_part(None)
         codes_attention.merge_rows(out, lse_fp, part.code_out, o_c, lse_c, part.code_out)
 
 
@@ -174,6 +178,7 @@ def _batch_invariant(plan: BatchInvariantPlan, out, q, k, v, kv_cache, st, scale
         q=q, k=kp, v=vp, out=out, cu_seqlens_q=cu_q, max_seqlen_q=max_q, seqused_k=used,
         max_seqlen_k=p.max_k, softmax_scale=scale, causal=True, window_size=_causal_window(st),
         block_table=table, softcap=0, q_descale=None, k_descale=one, v_descale=one,
+        sinks=st.sinks,
     )
 
 
@@ -214,6 +219,14 @@ def _segment_pages(plan: SegmentsPlan, k, v, kv_cache, st):
     return tuple(x.view(-1, w, *x.shape[2:]) for x in (kp, vp))
 
 
+def _fa_sinks(st):
+    """The layer's attention sinks as FlashAttention takes them (``s_aux``: one logit per
+    query head, added to the denominator once per row, its LSE counting it; FA3 takes
+    bfloat16 only, so float16 models' sinks are rounded to it here), or None."""
+    sinks = st.sinks
+    return sinks if sinks is None or sinks.dtype == torch.bfloat16 else sinks.to(torch.bfloat16)
+
+
 def _causal_window(st) -> tuple[int, int]:
     """FlashAttention / Triton ``window_size`` of a causal call: ``(sw - 1, 0)`` on
     sliding-window layers (key j > i - sw), none otherwise."""
@@ -237,11 +250,11 @@ def _varlen(q: torch.Tensor):
     return fa[0]
 
 
-def flash_attn_version(device, head_size: int):
-    """The FlashAttention version vLLM picks for this head size on ``device`` (None off
-    CUDA or without FlashAttention)."""
+def flash_attn_version(device, head_size: int, has_sinks: bool = False):
+    """The FlashAttention version vLLM picks for this head size (and attention sinks) on
+    ``device`` (None off CUDA or without FlashAttention)."""
     fa = _flash_attn() if torch.device(device).type == "cuda" else None
-    return None if fa is None else fa[1](head_size=head_size)
+    return None if fa is None else fa[1](head_size=head_size, has_sinks=has_sinks)
 
 
 @functools.cache

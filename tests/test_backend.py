@@ -48,6 +48,7 @@ def test_validate_accepts_supported():
                 assert PQAttentionBackend.validate_configuration(**kw) == []
     # which KV connectors serve is decided per engine (impl.connector_refusal)
     assert PQAttentionBackend.validate_configuration(**dict(GOOD, use_kv_connector=True)) == []
+    assert PQAttentionBackend.validate_configuration(**dict(GOOD, has_sink=True)) == []
 
 
 @pytest.mark.parametrize(
@@ -56,7 +57,6 @@ def test_validate_accepts_supported():
         (dict(use_mla=True), "MLA"),
         (dict(attn_type="encoder_only"), "decoder self-attention"),
         (dict(attn_type="encoder_decoder"), "decoder self-attention"),
-        (dict(has_sink=True), "sinks"),
         (dict(head_size=96), "head sizes"),
         (dict(head_size=80), "head sizes"),
         (dict(dtype=torch.float32), "float16 or bfloat16"),

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 from safetensors import safe_open
 
@@ -10,23 +11,32 @@ from vllm_pq_backend import codebooks
 from vllm_pq_backend.calibrate import main
 
 
+WORDS = "the quick brown fox jumps over a lazy dog while vllm serves tokens".split()
+
+
 def tiny_model(path, head_dim=32):
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaForCausalLM
 
     write_model_config(str(path), head_dim=head_dim, q_heads=4, kv_heads=2, layers=2, vocab=300)
+    save_tokenizer(path)
+    torch.manual_seed(0)
+    LlamaForCausalLM(hf_config(str(path))).save_pretrained(path)
+    return str(path)
+
+
+def save_tokenizer(path):
+    """A 300-token BPE over WORDS, ids 0-2 for <unk>, <s>, </s>."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    words = "the quick brown fox jumps over a lazy dog while vllm serves tokens".split()
     tok.train_from_iterator(
-        [" ".join(words[i:] + words[:i]) for i in range(len(words))] * 20,
+        [" ".join(WORDS[i:] + WORDS[:i]) for i in range(len(WORDS))] * 20,
         trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"]),
     )
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
                             unk_token="<unk>").save_pretrained(path)
-    torch.manual_seed(0)
-    LlamaForCausalLM(hf_config(str(path))).save_pretrained(path)
-    return str(path)
 
 
 def tiny_gemma3():
@@ -71,6 +81,24 @@ def test_calibrate_writes_valid_codebooks(tmp_path, capsys):
     # contexts lose accuracy, and what to run instead
     assert "the longest sequence is 256 tokens of the model's 4096" in got.err
     assert "--seq-len N and --tokens of at least N" in got.err
+
+
+def test_calibrate_a_model_with_attention_sinks(tmp_path):
+    """gpt-oss's shape: calibration runs the model with its sink logits in every softmax
+    (test_capture_reproduces_the_models_attention) and writes a codebook per layer and KV
+    head; the logits themselves are weights, not cached, so nothing of them is coded."""
+    model = gpt_oss_model(tmp_path / "model")
+    text = tmp_path / "a.txt"
+    text.write_text(" ".join(WORDS) * 100)
+    out = tmp_path / "b4.safetensors"
+    assert main(["--model", model, "--text", str(text), "--tokens", "1024", "--seq-len", "256",
+                 "--niter", "3", "--device", "cpu", "--out", str(out)]) == 0
+    info = codebooks.read_info(str(out))
+    codebooks.validate(info, hf_config(model), 32, 32, model)
+    with safe_open(str(out), "pt") as f:
+        k, v = f.get_tensor("k_centroids"), f.get_tensor("v_centroids")
+    assert k.shape == v.shape == (2, 8, 32, 256, 2)  # 4 bits per element at head_dim 64
+    assert torch.isfinite(k).all() and torch.isfinite(v).all()
 
 
 def test_calibrate_defaults_to_packed_sequences_of_the_models_context(tmp_path):
@@ -220,15 +248,60 @@ def test_prepare_names_what_is_missing_in_one_line(tmp_path):
     assert r.stderr.strip().splitlines() == [f"prepare.py: no .gguf file in {tmp_path}"]
 
 
-def test_capture_reproduces_sliding_window_attention():
+def tiny_gpt_oss():
+    """A random gpt-oss: attention sinks (one learned logit per query head, far from zero
+    so that they matter), a sliding-window layer (window 8) and a full one, head_dim 64,
+    GQA 8, two experts."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    cfg = GptOssConfig(vocab_size=300, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=16, num_key_value_heads=2, head_dim=64,
+                       num_local_experts=2, num_experts_per_tok=1, sliding_window=8,
+                       layer_types=["sliding_attention", "full_attention"],
+                       attn_implementation="eager")
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0, 2)
+    return model
+
+
+def gpt_oss_model(path):
+    """gpt-oss's attention (head_dim 64, 64 query / 8 KV heads, a 128-token sliding window
+    on every other layer, a learned sink logit per query head) on two layers of random
+    bfloat16 weights, four experts, with the tokenizer above: what vLLM serves as
+    GptOssForCausalLM. The output head is scaled up so that greedy choices are far from
+    ties, and the sinks are far from zero so that they matter."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    cfg = GptOssConfig(vocab_size=300, hidden_size=512, intermediate_size=256, num_hidden_layers=2,
+                       num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                       num_local_experts=4, num_experts_per_tok=2, sliding_window=128,
+                       layer_types=["sliding_attention", "full_attention"],
+                       bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0, 0.2)
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0, 2)
+    model.to(torch.bfloat16).save_pretrained(path)
+    save_tokenizer(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("make", [tiny_gemma3, tiny_gpt_oss])
+def test_capture_reproduces_the_models_attention(make):
     """The capture stands in for the model's attention during calibration: on a tiny Gemma 3
-    (one sliding-window layer, window 8, one full layer) its forward equals the eager one,
-    so the statistics come from the model as it really runs."""
+    (one sliding-window layer, window 8, one full layer) and a tiny gpt-oss (the same, with
+    learned sink logits in every softmax) its forward equals the eager one, so the
+    statistics come from the model as it really runs."""
     from transformers import AttentionInterface
 
     from vllm_pq_backend.calibrate import KVCapture
 
-    model = tiny_gemma3()
+    model = make()
     ids = torch.randint(3, 300, (1, 40))
     with torch.no_grad():
         want = model(ids).logits

@@ -24,6 +24,8 @@ attention mass each token receives from such queries. Then per (layer, KV head):
   the o_proj metric G^(1/4) (G = W_o^T W_o of the head's output columns: what a value
   error costs after the output projection).
 * The first token (BOS, an attention sink) is pinned: exact in every codebook.
+* Learned sink logits (gpt-oss) join every softmax as the model computes them. They are
+  weights, not cached, so nothing of them is coded.
 * Code ``NAN_CODE`` of subspace 0, the serving's marker of non-finite K/V, is reserved:
   that subspace trains 255 centroids, and the sink is never pinned to the marker.
 
@@ -330,6 +332,11 @@ class KVCapture:
         q, k, v = query[0].float(), key[0].float(), value[0].float()  # [H, T, d]
         kr, vr = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)
         scale = scaling if scaling is not None else d**-0.5
+        # gpt-oss's learned per-head sink logits (transformers passes them as s_aux): they
+        # join every row's softmax denominator, so the mass each key receives, and the
+        # output the next layers see, are the served model's
+        s_aux = kwargs.get("s_aux")
+        learned_sinks = None if s_aux is None else s_aux.float().view(hq, 1, 1)
         pos = torch.arange(t, device=q.device)
         out = torch.empty_like(q)  # [Hq, T, d]
         mass = torch.zeros(hq, t, device=q.device)  # attention each key received as codes
@@ -342,7 +349,11 @@ class KVCapture:
             if sliding_window:
                 causal &= pos.view(1, -1) > i - sliding_window
             qb = q[:, lo : lo + len(i)]
-            p = (qb @ kr.transpose(1, 2) * scale).masked_fill(~causal, float("-inf")).softmax(-1)
+            p = (qb @ kr.transpose(1, 2) * scale).masked_fill(~causal, float("-inf"))
+            if learned_sinks is not None:  # a column that takes mass and gives no value
+                p = torch.cat([p, learned_sinks.expand(-1, len(i), 1)], -1).softmax(-1)[..., :-1]
+            else:
+                p = p.softmax(-1)
             out[:, lo : lo + len(i)] = p @ vr
             if self.sink_pass:
                 continue

@@ -14,12 +14,6 @@ from .metadata import PQMetadata
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler, see __init__
 
-# Attention sinks (gpt-oss) reach every path: the decode kernel, each prefill path and the
-# reference. Start-up refuses them (PQAttentionBackend.supports_sink, PQAttentionImpl) until
-# the GPU tests have passed: tests/test_sinks.py and tests/test_kernels_gpu.py -k sink.
-SERVES_SINKS = False
-
-
 class LayerState:
     """One layer's codebooks, maps, window store and ops, on the layer's device."""
 
@@ -161,7 +155,6 @@ class PQAttentionImpl(AttentionImpl[PQMetadata]):
             "logits soft-capping": bool(logits_soft_cap),
             f"attention type {attn_type}": attn_type != AttentionType.DECODER,
             "cross-layer KV sharing": kv_sharing_target_layer_name is not None,
-            "attention sinks": kwargs.get("sinks") is not None and not SERVES_SINKS,
         }
         bad = [name for name, on in unsupported.items() if on]
         if bad:

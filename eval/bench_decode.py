@@ -150,7 +150,7 @@ def kernel_times(fn_for_copy, n_copies: int, reps: int = 20) -> dict:
     return {k: round(v, 2) for k, v in times.items()}
 
 
-def bench_fa3(batch, ctx, block, gen, hq=HQ, hkv=HKV, lens=None, d=D):
+def bench_fa3(batch, ctx, block, gen, hq=HQ, hkv=HKV, lens=None, d=D, sinks=False):
     from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
 
     lens = [ctx] * batch if lens is None else lens
@@ -164,11 +164,12 @@ def bench_fa3(batch, ctx, block, gen, hq=HQ, hkv=HKV, lens=None, d=D):
     out = torch.empty_like(q)
     cu_q = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
     seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    extra = dict(s_aux=torch.randn(hq, **bf16)) if sinks else {}  # FA3 takes bfloat16 sinks
 
     def run(i):
         flash_attn_varlen_func(q=q, k=k, v=v, out=out, cu_seqlens_q=cu_q, max_seqlen_q=1,
                                seqused_k=seq, max_seqlen_k=ctx, softmax_scale=d**-0.5,
-                               causal=True, block_table=tables[i], fa_version=3)
+                               causal=True, block_table=tables[i], fa_version=3, **extra)
 
     return timed(run, n), kv_bytes
 
@@ -292,6 +293,8 @@ def main() -> int:
         top = ctx if lens is None else max(lens)
         fa16, fa_bytes = bench_fa3(batch, top, 16, gen, hq, hkv, lens, d=d)
         fa128, _ = bench_fa3(batch, top, 128, gen, hq, hkv, lens, d=d)
+        fa_sinks = (min(bench_fa3(batch, top, b, gen, hq, hkv, lens, d=d, sinks=True)[0]
+                        for b in (16, 128)) if args.sinks else nan)
         tq, tq_bytes = (nan, 0) if args.no_turboquant else bench_turboquant(batch, ctx, gen, hq, hkv)
         for bits, ms in args.settings:
             us, must, splits, ktimes = bench_pq(batch, top, ms, gen, hq, hkv, min_split=args.min_split,
@@ -317,14 +320,16 @@ def main() -> int:
                 custom_pct_copy=round(100 * gbs / copy_gbs, 1), splits=splits,
                 min_split=plans.MIN_SPLIT_TOKENS if args.min_split is None else args.min_split,
                 custom_per_item_us=_num(per_item, 2), custom_batch_order_us=_num(batch_order, 2),
-                custom_sinks_us=_num(with_sinks, 2),
+                custom_sinks_us=_num(with_sinks, 2), fa3_sinks_us=_num(fa_sinks, 2),
+                sinks_speedup_vs_fa3=_num(fa_sinks / with_sinks, 3),
                 **(dict(lens=lens, mix=args.mix) if lens is not None else {}),
                 **(dict(custom_kernel_us=ktimes) if args.kernel_times else {}),
             ))
             print(f"{ctx:7d} {batch:5d} {bits:>4} | {us:9.1f} {fa16:8.1f}/{fa128:<8.1f} {tq:8.1f} | "
                   f"{fa / us:5.2f} {tq / us:5.2f} | {gbs:7.0f} ({100 * gbs / copy_gbs:4.1f}%)"
                   + (f" | batch order {batch_order:.1f}" if not math.isnan(batch_order) else "")
-                  + (f" | sinks {with_sinks:.1f}" if not math.isnan(with_sinks) else ""), flush=True)
+                  + (f" | sinks {with_sinks:.1f} (fa3 {fa_sinks:.1f})" if not math.isnan(with_sinks)
+                     else ""), flush=True)
         result = dict(stamp, shapes=dict(model=args.shape, q_heads=hq, kv_heads=hkv, head_dim=d, pq_block=PQ_BLOCK,
                       window=args.window), copy_gbs=round(copy_gbs, 1), rows=rows)
         with open(args.out, "w") as f:  # after each case: a cut-short run keeps its rows

@@ -11,7 +11,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from .config import DEFAULT_BLOCK_SIZE
 from .engine_config import EngineConfig
-from .impl import PQAttentionImpl
+from .impl import SERVES_SINKS, PQAttentionImpl
 from .layout import BLOCK_ALIGN, HEAD_DIMS, PageLayout
 from .metadata import PQMetadataBuilder
 
@@ -45,9 +45,7 @@ class PQAttentionBackend(AttentionBackend):
 
     @classmethod
     def supports_sink(cls) -> bool:
-        # gpt-oss's learned logits: the decode kernel, every prefill path and the reference
-        # add them once per query row (tests/test_sinks.py)
-        return True
+        return SERVES_SINKS
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:

@@ -317,7 +317,7 @@ def calibration_time() -> str:
 
 # --- speed -----------------------------------------------------------------------------
 
-SHAPE_NAMES = {"llama3-8b": "Llama-3-8B", "qwen2.5-7b": "Qwen2.5-7B"}
+SHAPE_NAMES = {"llama3-8b": "Llama-3-8B", "qwen2.5-7b": "Qwen2.5-7B", "gpt-oss": "gpt-oss"}
 
 
 def ctx(n: int) -> str:
@@ -364,6 +364,34 @@ def decode_kernel_mixed() -> str:
 @table("decode-kernel-h200")
 def decode_kernel_h200() -> str:
     return kernel_table(["h200_llama3-8b", "h200_qwen2.5-7b"])
+
+
+@table("decode-kernel-h200-now")
+def decode_kernel_h200_now() -> str:
+    return kernel_table(["h200_llama3-8b_no_tq"])
+
+
+@table("decode-kernel-sinks")
+def decode_kernel_sinks() -> str:
+    r = run("decode_kernel.json", "h200_gpt-oss_sinks")
+    by = {(x["context"], x["batch"], x["bits"]): x for x in r["rows"]}
+    body = []
+    for c, b in dict.fromkeys((x["context"], x["batch"]) for x in r["rows"]):
+        line = [ctx(c), b]
+        for bits in ("4", "2"):
+            x = by[(c, b, bits)]
+            change = x["custom_sinks_us"] / x["custom_us"] - 1
+            line += [f"{x['custom_us']:.1f} / {x['custom_sinks_us']:.1f} ({change:+.1%})",
+                     ratio(x["sinks_speedup_vs_fa3"])]
+        line.append(f"{by[(c, b, '4')]['fa3_sinks_us']:.1f}")
+        body.append(line)
+    s = r["shapes"]
+    return "\n".join([
+        md(["context", "requests", "CUSTOM 4 bits: us without / with sinks", "x FA3 with sinks",
+            "CUSTOM 2 bits: us without / with sinks", "x FA3 with sinks", "FA3 bf16 with sinks us"], body),
+        "", f"gpt-oss's attention ({s['q_heads']} query / {s['kv_heads']} KV heads, head_dim "
+        f"{s['head_dim']}), window {s['window']}, one decode step; {r['device']}, {day(r['date'])}. "
+        + source("decode_kernel.json")])
 
 
 @table("prefill")

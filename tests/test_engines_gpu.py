@@ -329,3 +329,57 @@ def test_gpt_oss_through_codes_stays_near_bf16(gpt_oss, monkeypatch):
           f"same position: {same:.1%}")
     assert abs(ratio - 1) < 0.2
     assert all(len(set(t)) > 1 for t in tokens["CUSTOM"])
+
+
+# Qwen3 (QK-norm)
+
+
+def test_qwen3_exact_window_matches_triton_attn_and_codes_serve(tmp_path, monkeypatch):
+    """A QK-norm model served: the tiny random Qwen3 of tests/test_qwen3.py (Qwen3-8B's
+    attention: head_dim 128, 32 query / 8 KV heads), batch-invariant eager mode, bfloat16.
+    Window 128 holds every prompt and output token, so every key CUSTOM reads is exact, and
+    batch-invariant CUSTOM attends with vLLM's Triton unified attention as TRITON_ATTN does
+    (codebooks without maps, so no query or key is mapped): greedy outputs equal
+    TRITON_ATTN's. FLASH_ATTN (FlashAttention 3, other arithmetic) is printed beside them.
+    Then window 0 with codebooks calibrated on the model (4 bits per element, --window 0):
+    every key and value read through codes, every sampled token's logprob finite and no
+    output one repeated token."""
+    from test_qwen3 import text, tiny_qwen3
+    from vllm import LLM, SamplingParams
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    model = tiny_qwen3(tmp_path / "model")
+    exact_books = random_codebooks(str(tmp_path / "random.safetensors"), model, 64, seed=1)
+    (tmp_path / "a.txt").write_text(text(0, 4000))
+    coded_books = str(tmp_path / "calibrated.safetensors")
+    # its own process: an engine started in batch-invariant mode replaces torch's matmuls
+    # in this one for good, with kernels that take no float64
+    subprocess.run([sys.executable, "-m", "vllm_pq_backend.calibrate", "--model", model,
+                    "--text", str(tmp_path / "a.txt"), "--bits", "4", "--tokens", "4000",
+                    "--samples", "4000", "--seq-len", "512", "--window", "0", "--device", "cuda",
+                    "--out", coded_books], check=True)
+    sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=0)
+    common = dict(model=model, dtype="bfloat16", enforce_eager=True, max_model_len=512,
+                  gpu_memory_utilization=0.15, max_num_seqs=8, seed=0)
+
+    def run(backend, **pq):
+        extra = {"additional_config": {"pq": pq}} if pq else {}
+        llm = LLM(attention_backend=backend, **common, **extra)
+        out = [o.outputs[0] for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
+        del llm
+        settle()
+        return out
+
+    custom = run("CUSTOM", codebooks=exact_books, window=128)
+    assert all(len(o.token_ids) == 40 for o in custom)
+    assert [o.token_ids for o in custom] == [o.token_ids for o in run("TRITON_ATTN")]
+    flash = run("FLASH_ATTN")
+    same = [sum(a == b for a, b in zip(c.token_ids, f.token_ids)) for c, f in zip(custom, flash)]
+    print(f"Qwen3, window 128: greedy tokens equal to FLASH_ATTN's per prompt: {same} of 40")
+
+    coded = run("CUSTOM", codebooks=coded_books, window=0)
+    for o in coded:
+        lps = [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)]
+        assert len(lps) == 40 and all(math.isfinite(x) for x in lps), lps
+        assert len(set(o.token_ids)) > 1, o.token_ids

@@ -37,7 +37,10 @@ import torch
 from common import provenance, write_result
 
 HQ, HKV, D = 32, 8, 128
-SHAPES = {"llama3-8b": (32, 8, 128), "qwen2.5-7b": (28, 4, 128), "gpt-oss": (64, 8, 64)}  # (Hq, Hkv, d)
+SHAPES = {"llama3-8b": (32, 8, 128), "qwen2.5-7b": (28, 4, 128), "gpt-oss": (64, 8, 64),  # (Hq, Hkv, d)
+          # Qwen3 applies QK-norm inside the model, before attention: the kernel sees plain
+          # keys of Llama-3-8B's shape
+          "qwen3-8b": (32, 8, 128)}
 WINDOW, PQ_BLOCK = 128, 128
 L2_FLUSH = 256 << 20  # rotate inputs until they span this many bytes
 

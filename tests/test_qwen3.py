@@ -14,13 +14,12 @@ import torch
 from safetensors import safe_open
 
 from helpers import hf_config, vllm_config
-from test_calibrate import save_tokenizer
+from test_calibrate import WORDS, save_tokenizer
 from vllm_pq_backend import codebooks
 from vllm_pq_backend.calibrate import capture, load_model, main
 from vllm_pq_backend.reference import decode_codes, encode
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 32, 8, 128, 2
-WORDS = "the quick brown fox jumps over a lazy dog while vllm serves tokens".split()
 
 
 def tiny_qwen3(path):

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from helpers import Sim, use_gpu_paths, vllm_config
+from test_golden_steps import SCENARIOS
 
 from vllm_pq_backend import reference
 from vllm_pq_backend.layout import window_start
@@ -205,14 +206,7 @@ def test_partials_merged_then_sink_once(model_factory):
 
 
 # Each GPU prefill path: (stand-in path, window, batch-invariant, the plan its prefills take)
-PATHS = {
-    "pages_w0": ("flash", 0, False, "PagesPlan"),
-    "segments_w32": ("flash", 32, False, "SegmentsPlan"),
-    "codes_w0": ("codes", 0, False, "CodesPlan"),
-    "codes_w32": ("codes", 32, False, "CodesPlan"),
-    "bi_w0": ("flash", 0, True, "BatchInvariantPlan"),
-    "bi_w32": ("flash", 32, True, "BatchInvariantPlan"),
-}
+PATHS = {name: s for name, s in SCENARIOS.items() if s[0] != "cpu"}
 ON_GPU = pytest.mark.skipif(not torch.cuda.is_available(),
                             reason="needs a CUDA GPU (run on the GPU machine)")
 INTERPRETED = pytest.mark.skipif(torch.cuda.is_available(),

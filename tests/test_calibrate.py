@@ -248,20 +248,24 @@ def test_prepare_names_what_is_missing_in_one_line(tmp_path):
     assert r.stderr.strip().splitlines() == [f"prepare.py: no .gguf file in {tmp_path}"]
 
 
-def tiny_gpt_oss():
+def tiny_gpt_oss(head_std=None, **sizes):
     """A random gpt-oss: attention sinks (one learned logit per query head, far from zero
-    so that they matter), a sliding-window layer (window 8) and a full one, head_dim 64,
-    GQA 8, two experts."""
+    so that they matter), a sliding-window layer and a full one, head_dim 64. Default sizes:
+    16 query / 2 KV heads, window 8, two experts; ``sizes`` change them. ``head_std``: the
+    output head redrawn with that deviation."""
     from transformers import GptOssConfig, GptOssForCausalLM
 
-    cfg = GptOssConfig(vocab_size=300, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=16, num_key_value_heads=2, head_dim=64,
-                       num_local_experts=2, num_experts_per_tok=1, sliding_window=8,
+    cfg = GptOssConfig(**{**dict(vocab_size=300, hidden_size=64, intermediate_size=64,
+                                 num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=2,
+                                 head_dim=64, num_local_experts=2, num_experts_per_tok=1,
+                                 sliding_window=8, bos_token_id=1, eos_token_id=2), **sizes},
                        layer_types=["sliding_attention", "full_attention"],
                        attn_implementation="eager")
     torch.manual_seed(0)
     model = GptOssForCausalLM(cfg).eval()
     with torch.no_grad():
+        if head_std:
+            model.lm_head.weight.normal_(0, head_std)
         for layer in model.model.layers:
             layer.self_attn.sinks.normal_(0, 2)
     return model
@@ -271,21 +275,10 @@ def gpt_oss_model(path):
     """gpt-oss's attention (head_dim 64, 64 query / 8 KV heads, a 128-token sliding window
     on every other layer, a learned sink logit per query head) on two layers of random
     bfloat16 weights, four experts, with the tokenizer above: what vLLM serves as
-    GptOssForCausalLM. The output head is scaled up so that greedy choices are far from
-    ties, and the sinks are far from zero so that they matter."""
-    from transformers import GptOssConfig, GptOssForCausalLM
-
-    cfg = GptOssConfig(vocab_size=300, hidden_size=512, intermediate_size=256, num_hidden_layers=2,
-                       num_attention_heads=64, num_key_value_heads=8, head_dim=64,
-                       num_local_experts=4, num_experts_per_tok=2, sliding_window=128,
-                       layer_types=["sliding_attention", "full_attention"],
-                       bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    model = GptOssForCausalLM(cfg)
-    with torch.no_grad():
-        model.lm_head.weight.normal_(0, 0.2)
-        for layer in model.model.layers:
-            layer.self_attn.sinks.normal_(0, 2)
+    GptOssForCausalLM. The output head is scaled up for peaked next-token distributions."""
+    model = tiny_gpt_oss(head_std=0.2, hidden_size=512, intermediate_size=256,
+                         num_attention_heads=64, num_key_value_heads=8, num_local_experts=4,
+                         num_experts_per_tok=2, sliding_window=128)
     model.to(torch.bfloat16).save_pretrained(path)
     save_tokenizer(path)
     return str(path)

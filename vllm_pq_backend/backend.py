@@ -11,7 +11,8 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from .config import DEFAULT_BLOCK_SIZE
 from .engine_config import EngineConfig
-from .impl import SERVES_SINKS, PQAttentionImpl
+from . import impl
+from .impl import PQAttentionImpl
 from .layout import BLOCK_ALIGN, HEAD_DIMS, PageLayout
 from .metadata import PQMetadataBuilder
 
@@ -45,7 +46,7 @@ class PQAttentionBackend(AttentionBackend):
 
     @classmethod
     def supports_sink(cls) -> bool:
-        return SERVES_SINKS
+        return impl.SERVES_SINKS  # the one switch, read where it is set
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:

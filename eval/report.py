@@ -786,6 +786,30 @@ def long_context() -> str:
         + " " + source("long_context.json")])
 
 
+@table("lm-eval-long")
+def lm_eval_long() -> str:
+    """The pq_long tasks through `lm_eval --model vllm` (eval/lm_eval/pq_long.py), beside
+    the harness's accuracy for the same cache and prompts (long_context.json) where it has
+    that cache."""
+    data = load("lm_eval_long.json")
+    sec = long_models().get(data["model"])
+    body = []
+    for r in data["rows"]:
+        label = r["name"] if r.get("bits_k") is None else cache_name(r)
+        engine = next((e for e in (sec or {}).get("engines", []) if e["label"] == r["name"]), None)
+        other = engine is not None and engine.get("codebook_sha256") != r.get("codebook_sha256")
+        for task, acc in r["accuracy"].items():
+            for n, a in acc.items():
+                h = retrieval(sec, engine, task, int(n)) if engine else None
+                body.append([label, task, f"{int(n) // 1024}K", f"{100 * a:.1f}%",
+                             f"{h['accuracy']:.1f}%" + (" (other codebooks, same calibration)" if other else "")
+                             if h else "not run"])
+    return "\n".join([
+        md(["KV cache", "task", "prompt length", "`lm_eval` accuracy", "eval/long_context.py"], body), "",
+        f"{data['model']}, {data['device']}, {day(data['date'])}. The same prompts as text, which "
+        "lm-eval tokenizes again. " + source("lm_eval_long.json", "long_context.json")])
+
+
 def sign_test(a: int, b: int) -> float:
     """Two-sided exact sign test of ``a`` against ``b`` discordant pairs (McNemar's exact
     test): the chance of a split at least this uneven if either answer were as likely."""

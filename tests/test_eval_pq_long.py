@@ -23,7 +23,8 @@ def test_scores_keep_the_lengths_that_have_prompts():
 
 
 def test_model_args_name_the_codebooks_for_custom_only():
-    base = pq_long.model_args("m", "FLASH_ATTN", None, 8192)
+    base = pq_long.model_args("m", "FLASH_ATTN", None, 8192, kv_cache_memory_bytes=None)
+    assert "kv_cache_memory_bytes" not in base
     assert "additional_config" not in base
     custom = pq_long.model_args("m", "CUSTOM", "/b.safetensors", 8192)
     assert custom["additional_config"] == {"pq": {"codebooks": "/b.safetensors"}}

@@ -28,9 +28,11 @@ from pq_long_utils import LENGTHS  # noqa: E402
 TASKS = ("passkey", "multikey", "verbatim")
 
 
-def model_args(model: str, backend: str, codebooks: str | None, max_model_len: int) -> dict:
+def model_args(model: str, backend: str, codebooks: str | None, max_model_len: int,
+               **engine) -> dict:
+    """``engine``: more LLM(...) arguments, those left None dropped."""
     args = dict(pretrained=model, attention_backend=backend, max_model_len=max_model_len,
-                gpu_memory_utilization=0.5, add_bos_token=True)
+                add_bos_token=True, **{k: v for k, v in engine.items() if v is not None})
     if codebooks:
         args["additional_config"] = {"pq": {"codebooks": codebooks}}
     return args
@@ -54,6 +56,9 @@ def main() -> int:
     p.add_argument("--codebooks", nargs="+", default=[], help="one CUSTOM run per file")
     p.add_argument("--baselines", nargs="*", default=["FLASH_ATTN"])
     p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="the KV cache's size "
+                   "instead of what memory profiling leaves (so other processes may share the GPU)")
     p.add_argument("--limit", type=int, default=None, help="documents per task")
     p.add_argument("--timeout", type=int, default=900, help="seconds per lm-eval run")
     p.add_argument("--out", default="eval/results/lm_eval_long.json")
@@ -67,7 +72,9 @@ def main() -> int:
     for name, backend, books in runs:
         out = os.path.join(raw, backend if books is None else os.path.basename(books))
         cmd = ["lm_eval", "--model", "vllm", "--model_args",
-               json.dumps(model_args(args.model, backend, books, args.max_model_len)),
+               json.dumps(model_args(args.model, backend, books, args.max_model_len,
+                                          gpu_memory_utilization=args.gpu_memory_utilization,
+                                          kv_cache_memory_bytes=args.kv_cache_memory_bytes)),
                "--tasks", "pq_long", "--include_path", str(HERE), "--batch_size", "auto",
                "--output_path", out] + (["--limit", str(args.limit)] if args.limit else [])
         print(f"== {name}: {' '.join(cmd)}", flush=True)

@@ -225,6 +225,7 @@ def run_engine(kw: dict, args, docs, samples) -> dict:
     t0 = time.time()
     llm = LLM(model=args.model, max_model_len=args.max_model_len, enforce_eager=True, seed=0,
               gpu_memory_utilization=args.gpu_memory_utilization,
+              kv_cache_memory_bytes=args.kv_cache_memory_bytes,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               **kw)
     cc = llm.llm_engine.vllm_config.cache_config
@@ -369,6 +370,8 @@ def main() -> int:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.6)
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="the KV cache's size "
+                   "instead of what memory profiling leaves (so other processes may share the GPU)")
     p.add_argument("--out", default="eval/results/long_context.json")
     p.add_argument("--lm-eval-data", help="also write the retrieval prompts as text here "
                    "(one JSONL per task) for eval/lm_eval's pq_long tasks")

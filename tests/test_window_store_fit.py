@@ -16,10 +16,13 @@ def _engine(model_factory, monkeypatch, max_num_seqs=256):
     vc = vllm_config(model_factory(64, 4, 2), block_size=64, pq={"window": 64},
                      max_num_seqs=max_num_seqs)
     vc.cache_config.gpu_memory_utilization = 0.5
-    # 4 GiB for vLLM, 3 GiB of it already held by this engine: 1 GiB for the KV cache
+    # 4 GiB for vLLM, 3 GiB of it held by this engine since it began (nothing before, also
+    # where an earlier test in this process initialized CUDA): 1 GiB for the KV cache
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (5 * GIB, 8 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    cfg = EngineConfig.of(vc)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 3 * GIB)
-    return vc, EngineConfig.of(vc)
+    return vc, cfg
 
 
 def test_user_rows_beyond_the_kv_memory_are_refused_with_the_numbers(model_factory, monkeypatch):

@@ -5,11 +5,13 @@
 #   eval/lm_eval/entrypoints.sh [MODEL_DIR] [LOG] [ENGINE_JSON]
 # ENGINE_JSON: more engine arguments for all three, as LLM's keyword arguments in JSON (a
 # speculative config, say); `vllm serve` gets them as flags. LM_EVAL_TIMEOUT: seconds per
-# lm-eval run.
+# lm-eval run; PORT: the server's (8123).
 set -euo pipefail
 MODEL=${1:-eval/data/smollm2}
 LOG=${2:-eval/results/entrypoints.log}
 ENGINE=${3:-"{}"}
+PORT=${PORT:-8123}
+SERVE_LOG=$(mktemp)
 mkdir -p "$(dirname "$LOG")"
 exec > >(tee "$LOG") 2>&1
 echo "date: $(date -u +%FT%TZ)  device: $(nvidia-smi --query-gpu=name --format=csv,noheader)"
@@ -30,15 +32,15 @@ PY
 
 echo "== 1. vllm serve $MODEL --attention-backend CUSTOM ${FLAGS[*]}"
 vllm serve "$MODEL" --attention-backend CUSTOM --max-model-len 2048 \
-  --gpu-memory-utilization 0.3 --port 8123 "${FLAGS[@]}" > serve.log 2>&1 &
+  --gpu-memory-utilization 0.3 --port $PORT "${FLAGS[@]}" > $SERVE_LOG 2>&1 &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null || true' EXIT
-for _ in $(seq 240); do curl -sf localhost:8123/health >/dev/null && break; sleep 1; done
-curl -s localhost:8123/v1/completions -H 'Content-Type: application/json' \
+for _ in $(seq 240); do curl -sf localhost:$PORT/health >/dev/null && break; sleep 1; done
+curl -s localhost:$PORT/v1/completions -H 'Content-Type: application/json' \
   -d "{\"model\": \"$MODEL\", \"prompt\": \"The capital of France is\", \"max_tokens\": 12, \"temperature\": 0}" \
   | python -c "import json,sys; r=json.load(sys.stdin); print('completion:', repr(r['choices'][0]['text']))"
 kill $SERVER; wait $SERVER 2>/dev/null || true
-grep -E "Using AttentionBackendEnum|vllm_pq_backend|KV cache size" serve.log || true
+grep -E "Using AttentionBackendEnum|vllm_pq_backend|KV cache size" $SERVE_LOG || true
 
 echo "== 2. offline LLM(..., attention_backend=\"CUSTOM\").generate(...)"
 python - "$MODEL" "$ENGINE" <<'PY'

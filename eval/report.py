@@ -670,7 +670,7 @@ def entrypoints() -> str:
                           r"(\w+)\s*\|[^|]*\|\s*([\d.]+)", part, re.M)
             scores[m.group(1)] = m.group(4)
             metric = f"{m.group(2)} {m.group(3)}"
-        body.append([model, head.group(2), day(head.group(1)), completion.group(1) if completion else "failed",
+        body.append([model, head.group(2), day(head.group(1)), completion.group(1) if completion and not completion.group(1).startswith("failed") else "failed",
                      f"{len(generated)} prompts",
                      f"{metric}: {scores.get('CUSTOM', 'failed')} / {scores.get('FLASH_ATTN', 'failed')}"])
     note = ("The random models complete with noise; their rows show that each entry point "

@@ -36,9 +36,11 @@ vllm serve "$MODEL" --attention-backend CUSTOM --max-model-len 2048 \
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null || true' EXIT
 for _ in $(seq 240); do curl -sf localhost:$PORT/health >/dev/null && break; sleep 1; done
-curl -s localhost:$PORT/v1/completions -H 'Content-Type: application/json' \
+if ! curl -s localhost:$PORT/v1/completions -H 'Content-Type: application/json' \
   -d "{\"model\": \"$MODEL\", \"prompt\": \"The capital of France is\", \"max_tokens\": 12, \"temperature\": 0}" \
-  | python -c "import json,sys; r=json.load(sys.stdin); print('completion:', repr(r['choices'][0]['text']))"
+  | python -c "import json,sys; r=json.load(sys.stdin); print('completion:', repr(r['choices'][0]['text']))"; then
+  echo "completion: failed; the server's log ends:"; tail -40 $SERVE_LOG
+fi
 kill $SERVER; wait $SERVER 2>/dev/null || true
 grep -E "Using AttentionBackendEnum|vllm_pq_backend|KV cache size" $SERVE_LOG || true
 
@@ -58,7 +60,7 @@ PY
 # subprocess to wait for at shutdown), and a timeout bounds each run.
 for backend in CUSTOM FLASH_ATTN; do
   echo "== 3. lm_eval --model vllm ... attention_backend=$backend"
-  out="$(dirname "$LOG")/lm_eval_$backend"
+  out="${LOG%.log}_lm_eval_$backend"
   VLLM_ENABLE_V1_MULTIPROCESSING=0 HF_DATASETS_OFFLINE=1 timeout "${LM_EVAL_TIMEOUT:-900}" lm_eval --model vllm \
     --model_args "$(python -c 'import json, sys; print(json.dumps({"pretrained": sys.argv[1], "attention_backend": sys.argv[2], "max_model_len": 2048, "gpu_memory_utilization": 0.3, **json.loads(sys.argv[3])}))' "$MODEL" "$backend" "$ENGINE")" \
     --tasks pq_heldout --include_path eval/lm_eval --limit 12 --output_path "$out" \

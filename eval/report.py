@@ -788,26 +788,30 @@ def long_context() -> str:
 
 @table("lm-eval-long")
 def lm_eval_long() -> str:
-    """The pq_long tasks through `lm_eval --model vllm` (eval/lm_eval/pq_long.py), beside
-    the harness's accuracy for the same cache and prompts (long_context.json) where it has
-    that cache."""
+    """The pq_long tasks through `lm_eval --model vllm` (eval/lm_eval/pq_long.py), each
+    beside the harness's accuracy for the same cache on the same prompts
+    (long_context.json), where it has that cache."""
     data = load("lm_eval_long.json")
     sec = long_models().get(data["model"])
-    body = []
+    lengths = sorted({int(n) for r in data["rows"] for acc in r["accuracy"].values() for n in acc})
+    body, other = [], False
     for r in data["rows"]:
         label = r["name"] if r.get("bits_k") is None else cache_name(r)
         engine = next((e for e in (sec or {}).get("engines", []) if e["label"] == r["name"]), None)
-        other = engine is not None and engine.get("codebook_sha256") != r.get("codebook_sha256")
+        other |= engine is not None and engine.get("codebook_sha256") != r.get("codebook_sha256")
         for task, acc in r["accuracy"].items():
-            for n, a in acc.items():
-                h = retrieval(sec, engine, task, int(n)) if engine else None
-                body.append([label, task, f"{int(n) // 1024}K", f"{100 * a:.1f}%",
-                             f"{h['accuracy']:.1f}%" + (" (other codebooks, same calibration)" if other else "")
-                             if h else "not run"])
+            cells = []
+            for n in lengths:
+                h = retrieval(sec, engine, task, n) if engine else None
+                cells.append("" if str(n) not in acc else f"{100 * acc[str(n)]:.1f}" +
+                             (f" ({h['accuracy']:.1f})" if h else ""))
+            body.append([label, task, *cells])
     return "\n".join([
-        md(["KV cache", "task", "prompt length", "`lm_eval` accuracy", "eval/long_context.py"], body), "",
-        f"{data['model']}, {data['device']}, {day(data['date'])}. The same prompts as text, which "
-        "lm-eval tokenizes again. " + source("lm_eval_long.json", "long_context.json")])
+        md(["KV cache", "task", *(f"{n // 1024}K" for n in lengths)], body), "",
+        f"{data['model']}, {data['device']}, {day(data['date'])}: `lm_eval` accuracy in %, in brackets "
+        "eval/long_context.py's for the same cache on the same prompts as token ids"
+        + (" (CUSTOM: other codebooks from the same calibration command)" if other else "")
+        + ". " + source("lm_eval_long.json", "long_context.json")])
 
 
 def sign_test(a: int, b: int) -> float:

@@ -172,6 +172,11 @@ def calibration(meta: dict) -> str:
                                                   meta.get("calib_pack"))
 
 
+def engine_label(meta: dict, window: int) -> str:
+    """CUSTOM by bits per element and window, and its calibration where not the default."""
+    return f"CUSTOM K{meta['bits_k']}/V{meta['bits_v']} bits W={window}" + calibration(meta)
+
+
 def calibration_words(tokens: int | None, seq_len: int | None, pack: bool) -> str:
     """"512K tokens in 8K-token packed sequences", either part left out where None."""
     words = [f"{tokens // 1024}K tokens"] if tokens else []

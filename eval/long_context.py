@@ -40,8 +40,8 @@ import subprocess
 import sys
 import time
 
-from common import (POSITION_BUCKETS, bucket_name, calibration,  # eval/ is the script's directory
-                    codebook_meta, provenance, save_section)
+from common import (POSITION_BUCKETS, bucket_name,  # eval/ is the script's directory
+                    codebook_meta, engine_label, provenance, save_section)
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # read the engine's KV size
 
@@ -51,7 +51,6 @@ BASELINES = {  # name -> LLM(...) arguments
     "TURBOQUANT 4bit_nc": dict(kv_cache_dtype="turboquant_4bit_nc"),
 }
 REFERENCE = "FLASH_ATTN bf16"
-TASKS = ("passkey", "multikey", "verbatim")
 ANSWER_ROOM = 64  # tokens a prompt leaves below its nominal length for the answer
 TOKENIZE_SLACK = 0.05
 MAX_TOKENS = {"passkey": 16, "multikey": 16, "verbatim": 24}
@@ -68,6 +67,7 @@ def _task_scoring():
 
 
 SCORING = _task_scoring()
+TASKS = SCORING.TASKS
 VERBATIM_PROBE, VERBATIM_TARGET = 10, SCORING.VERBATIM_TARGET  # words shown, words that must follow
 WORDS = ("apple", "river", "candle", "mirror", "garden", "violin", "harbor", "pepper",
          "lantern", "meadow", "falcon", "saddle", "copper", "island", "thunder", "basket",
@@ -300,11 +300,6 @@ def retrieval_rows(label: str, res: dict, samples, ref_correct: dict | None) -> 
             row["only_this"] = sum(b and not a for a, b in zip(r, c))
         rows.append(row)
     return rows, correct
-
-
-def engine_label(meta: dict, window: int) -> str:
-    """CUSTOM by bits per element and window, and its calibration where not the default."""
-    return f"CUSTOM K{meta['bits_k']}/V{meta['bits_v']} bits W={window}" + calibration(meta)
 
 
 def plot(section: dict, path: str) -> None:

@@ -22,10 +22,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from common import calibration, codebook_meta, provenance, write_result  # noqa: E402
-from pq_long_utils import LENGTHS  # noqa: E402
+from common import codebook_meta, engine_label, provenance, write_result  # noqa: E402
+from pq_long_utils import LENGTHS, TASKS  # noqa: E402
 
-TASKS = ("passkey", "multikey", "verbatim")
+from vllm_pq_backend.config import DEFAULT_WINDOW  # noqa: E402
 
 
 def model_args(model: str, backend: str, codebooks: str | None, max_model_len: int,
@@ -66,8 +66,7 @@ def main() -> int:
     args = p.parse_args()
     raw = args.lm_eval_out or os.path.splitext(args.out)[0]
     runs = [(f"{b} bf16", b, None) for b in args.baselines] + [
-        (f"CUSTOM K{m['bits_k']}/V{m['bits_v']} bits W=128" + calibration(m), "CUSTOM", c)
-        for c in args.codebooks for m in [codebook_meta(c)]]
+        (engine_label(codebook_meta(c), DEFAULT_WINDOW), "CUSTOM", c) for c in args.codebooks]
     rows = []
     for name, backend, books in runs:
         out = os.path.join(raw, backend if books is None else os.path.basename(books))

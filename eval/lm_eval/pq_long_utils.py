@@ -3,6 +3,7 @@ one metric per prompt length, which lm-eval aggregates over the documents of tha
 
 import re
 
+TASKS = ("passkey", "multikey", "verbatim")  # pq_long_<task>.yaml each
 LENGTHS = (2048, 4096, 8192, 16384, 32768)
 VERBATIM_TARGET = 6  # eval/long_context.py's
 

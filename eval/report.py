@@ -656,13 +656,11 @@ ENTRY_LOGS = {
 
 @table("entrypoints")
 def entrypoints() -> str:
-    body = []
-    for log, model in ENTRY_LOGS.items():
-        if not (RESULTS / log).exists():
-            continue  # not run yet: no row
-        text = (RESULTS / log).read_text()
+    body, logs = [], [log for log in ENTRY_LOGS if (RESULTS / log).exists()]  # a row per run
+    for log in logs:
+        model, text = ENTRY_LOGS[log], (RESULTS / log).read_text()
         head = re.match(r"date: (\S+)\s+device: (.+)", text)
-        completion = re.search(r"^completion: (.+)$", text, re.M)
+        completion = re.search(r"^completion: (?!failed)(.+)$", text, re.M)
         generated = re.findall(r"^generate: ", text, re.M)
         scores, metric = {}, None
         for part in text.split("== 3. lm_eval")[1:]:
@@ -670,7 +668,7 @@ def entrypoints() -> str:
                           r"(\w+)\s*\|[^|]*\|\s*([\d.]+)", part, re.M)
             scores[m.group(1)] = m.group(4)
             metric = f"{m.group(2)} {m.group(3)}"
-        body.append([model, head.group(2), day(head.group(1)), completion.group(1) if completion and not completion.group(1).startswith("failed") else "failed",
+        body.append([model, head.group(2), day(head.group(1)), completion.group(1) if completion else "failed",
                      f"{len(generated)} prompts",
                      f"{metric}: {scores.get('CUSTOM', 'failed')} / {scores.get('FLASH_ATTN', 'failed')}"])
     note = ("The random models complete with noise; their rows show that each entry point "
@@ -679,7 +677,7 @@ def entrypoints() -> str:
     return "\n".join([
         md(["model", "device", "date", "`vllm serve` completion of \"The capital of France is\"",
             "`LLM.generate`", "`lm_eval`, CUSTOM / FLASH_ATTN"], body), "",
-        note + source(*(log for log in ENTRY_LOGS if (RESULTS / log).exists()))])
+        note + source(*logs)])
 
 
 @table("demo")

@@ -180,13 +180,13 @@ def engine_label(meta: dict, window: int) -> str:
 
 
 def calibration_words(tokens: int | None, seq_len: int | list[int] | None, pack: bool) -> str:
-    """"512K tokens in 8K-token packed sequences" ("2K- and 8K-token" for a list of
-    lengths), either part left out where None."""
+    """"512K tokens in 8K-token packed sequences" ("2K- and 8K-token", "2K-, 4K- and
+    8K-token" for a list of lengths), either part left out where None."""
     words = [f"{tokens // 1024}K tokens"] if tokens else []
     if seq_len:
         lens = [f"{n // 1024}K" if n % 1024 == 0 else f"{n:,}"
                 for n in ([seq_len] if isinstance(seq_len, int) else seq_len)]
-        both = lens[0] if len(lens) == 1 else ", ".join(lens[:-1]) + "- and " + lens[-1]
+        both = lens[0] if len(lens) == 1 else "-, ".join(lens[:-1]) + "- and " + lens[-1]
         words.append(f"{both}-token {'packed ' if pack else ''}sequences")
     return " in ".join(words)
 

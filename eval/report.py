@@ -837,8 +837,8 @@ def long_context_retrieval() -> str:
             for t, n in cols:
                 r = retrieval(sec, e, t, n)
                 row.append("" if r is None else f"{r['accuracy']:.1f}" if "delta_points" not in r
-                           else f"{r['delta_points']:+.1f} ({r['only_bf16']}/{r['only_this']})"
-                           + ("*" if sign_test(r["only_bf16"], r["only_this"]) < 0.05 else ""))
+                           else starred(f"{r['delta_points']:+.1f} ({r['only_bf16']}/{r['only_this']})",
+                                        r["only_bf16"], r["only_this"]))
             body.append(row)
         out += [f"**{model}**", "", md(["KV cache"] + [f"{t} {n // 1024}K" for t, n in cols], body), ""]
     return "\n".join(out + ["bf16's accuracy in %, then each cache's change in points against it "

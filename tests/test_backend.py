@@ -48,13 +48,13 @@ def test_validate_accepts_supported():
                 assert PQAttentionBackend.validate_configuration(**kw) == []
     # which KV connectors serve is decided per engine (impl.connector_refusal)
     assert PQAttentionBackend.validate_configuration(**dict(GOOD, use_kv_connector=True)) == []
+    assert PQAttentionBackend.validate_configuration(**dict(GOOD, has_sink=True)) == []
 
 
 @pytest.mark.parametrize(
     "change,needle",
     [
         (dict(use_mla=True), "MLA"),
-        (dict(has_sink=True), "sinks"),
         (dict(attn_type="encoder_only"), "decoder self-attention"),
         (dict(attn_type="encoder_decoder"), "decoder self-attention"),
         (dict(head_size=96), "head sizes"),

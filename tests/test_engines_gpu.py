@@ -259,8 +259,7 @@ def test_simple_cpu_offload_matches_gpu_prefix_hits(tmp_path, monkeypatch):
 
 
 # gpt-oss (attention sinks): its attention on two layers of random weights
-# (test_calibrate.gpt_oss_model) with codebooks calibrated on it, the start-up refusal of
-# sinks lifted
+# (test_calibrate.gpt_oss_model) with codebooks calibrated on it
 
 
 @pytest.fixture(scope="module")
@@ -292,6 +291,37 @@ def gpt_oss_outputs(model, backend, prompts, sp, **kw):
     return out
 
 
+def test_gpt_oss_with_every_key_exact_equals_triton_and_flash_attention(gpt_oss, monkeypatch,
+                                                                         tmp_path):
+    """Sinks served as the model means them: with a residual window (64 tokens) that holds
+    every request whole (prompt and 40 generated tokens), CUSTOM reads every key exact, so
+    in batch-invariant eager mode its greedy tokens are TRITON_ATTN's (vLLM's unified Triton
+    attention, the kernel CUSTOM's batch-invariant path calls) and FLASH_ATTN's (FA3, sinks
+    as s_aux). Each reference runs in two fresh engines and must first repeat itself: one
+    that does not (near-tied choices meeting arithmetic that varies between engines) is no
+    reference for CUSTOM, and the test says so."""
+    from vllm import SamplingParams
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    model, _ = gpt_oss
+    # no K/V maps: window rows then meet the same arithmetic as TRITON_ATTN's
+    books = random_codebooks(str(tmp_path / "b.safetensors"), model, 32, seed=1)
+    sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    runs = {}
+    for backend in ("TRITON_ATTN", "FLASH_ATTN", "CUSTOM", "TRITON_ATTN", "FLASH_ATTN"):
+        kw = ({"additional_config": {"pq": {"codebooks": books, "window": 64}}}
+              if backend == "CUSTOM" else {})
+        out = gpt_oss_outputs(model, backend, PROMPTS, sp, **kw)
+        assert all(len(o.prompt_token_ids) + 40 <= 64 for o in out)
+        runs.setdefault(backend, []).append([o.outputs[0].token_ids for o in out])
+    for ref in ("TRITON_ATTN", "FLASH_ATTN"):
+        first, second = runs[ref]
+        assert first == second, f"{ref} does not repeat its own greedy outputs in a new engine"
+    assert runs["CUSTOM"][0] == runs["TRITON_ATTN"][0]
+    assert runs["CUSTOM"][0] == runs["FLASH_ATTN"][0]
+
+
 def test_gpt_oss_through_codes_stays_near_bf16(gpt_oss, monkeypatch):
     """Sinks with codes: 600-token prompts, past the 64-token window, the 128-token
     sliding window and four pages, read through the calibrated 4-bit codes. The prompts'
@@ -301,25 +331,22 @@ def test_gpt_oss_through_codes_stays_near_bf16(gpt_oss, monkeypatch):
     from test_calibrate import WORDS
     from vllm import SamplingParams
 
-    from vllm_pq_backend import impl
-
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the switch below reaches it
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
-    monkeypatch.setattr(impl, "SERVES_SINKS", True)  # start-up refuses sinks: lift that here
     model, books = gpt_oss
     rng = random.Random(1)  # text like the calibration's, not seen by it
     prompts = [" ".join(rng.choice(WORDS) for _ in range(600)) for _ in range(4)]
     sp = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, prompt_logprobs=0)
     nll, tokens = {}, {}
-    for name in ("FLASH_ATTN", "CUSTOM"):
+    for backend in ("FLASH_ATTN", "CUSTOM"):
         kw = ({"additional_config": {"pq": {"codebooks": books, "window": 64}}}
-              if name == "CUSTOM" else {})
-        out = gpt_oss_outputs(model, name, prompts, sp, **kw)
+              if backend == "CUSTOM" else {})
+        out = gpt_oss_outputs(model, backend, prompts, sp, **kw)
         lps = torch.tensor([lp[t].logprob for o in out
                             for t, lp in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:])])
-        assert torch.isfinite(lps).all(), name
-        nll[name] = -lps.mean().item()
-        tokens[name] = [o.outputs[0].token_ids for o in out]
+        assert torch.isfinite(lps).all(), backend
+        nll[backend] = -lps.mean().item()
+        tokens[backend] = [o.outputs[0].token_ids for o in out]
     ratio = math.exp(nll["CUSTOM"] - nll["FLASH_ATTN"])
     same = sum(a == b for x, y in zip(tokens["CUSTOM"], tokens["FLASH_ATTN"])
                for a, b in zip(x, y)) / sum(len(x) for x in tokens["CUSTOM"])

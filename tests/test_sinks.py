@@ -10,8 +10,8 @@ vLLM's Triton attention (the codes kernel in Triton's interpreter), and on a GPU
 real kernels. Every check also proves itself able to see the sink counted twice (as it
 would be if each of two merged partial results counted it).
 
-Start-up refuses sinks (impl.SERVES_SINKS), so the tests give the impl its ``sinks`` after
-construction, as its constructor would from vLLM's kwargs.
+The tests give the impl its ``sinks`` after construction, as its constructor does from
+vLLM's kwargs, so that one layer can be run with and without them.
 """
 
 import pytest

@@ -14,15 +14,6 @@ from .metadata import PQMetadata
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler, see __init__
 
-# Attention sinks (gpt-oss) reach every path: the decode kernel, each prefill path and the
-# reference, each tested against the formula on a GPU (tests/test_sinks.py,
-# tests/test_kernels_gpu.py -k sink), and a gpt-oss-shaped engine through codes stays near
-# bf16 (tests/test_engines_gpu.py -k gpt_oss). Start-up still refuses them
-# (PQAttentionBackend.supports_sink, PQAttentionImpl): greedy identity with FLASH_ATTN when
-# every key is exact has not been shown on a model whose reference is reproducible.
-SERVES_SINKS = False
-
-
 class LayerState:
     """One layer's codebooks, maps, window store and ops, on the layer's device."""
 
@@ -164,7 +155,6 @@ class PQAttentionImpl(AttentionImpl[PQMetadata]):
             "logits soft-capping": bool(logits_soft_cap),
             f"attention type {attn_type}": attn_type != AttentionType.DECODER,
             "cross-layer KV sharing": kv_sharing_target_layer_name is not None,
-            "attention sinks": kwargs.get("sinks") is not None and not SERVES_SINKS,
         }
         bad = [name for name, on in unsupported.items() if on]
         if bad:

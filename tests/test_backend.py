@@ -497,8 +497,9 @@ def test_segment_plan_makes_each_segment_a_request():
 @pytest.mark.parametrize("method,draft_kv", [("ngram", False), ("suffix", False),
                                              ("eagle", True), ("draft_model", True)])
 def test_speculative_decoding_without_draft_attention_only(model_factory, method, draft_kv):
-    """Drafts that need no KV cache (n-gram, suffix, ...) are served; draft models with
-    attention layers, which would need codebooks of their own, are refused at start-up."""
+    """Drafts that need no KV cache (n-gram, suffix, ...) are served; drafts with attention
+    layers on CUSTOM, which would need codebooks of their own, are refused at start-up
+    (tests/test_speculative.py: the drafts served on another backend)."""
     import types
 
     from vllm.config import set_current_vllm_config
@@ -506,14 +507,15 @@ def test_speculative_decoding_without_draft_attention_only(model_factory, method
     from vllm_pq_backend.impl import PQAttentionImpl
 
     vc = vllm_config(model_factory(64, 4, 2), block_size=64, pq={})
-    spec = types.SimpleNamespace(method=method, uses_draft_kv_cache=lambda: draft_kv)
+    spec = types.SimpleNamespace(method=method, uses_draft_kv_cache=lambda: draft_kv,
+                                 use_gemma4_mtp=lambda: False, attention_backend=None)
     object.__setattr__(vc, "speculative_config", spec)
     # as vLLM resolves it for these methods (VllmConfig: async scheduling only with EAGLE,
     # MTP, draft models and ngram_gpu); the async case is the next test's
     vc.scheduler_config.async_scheduling = False
     with set_current_vllm_config(vc):
         if draft_kv:
-            with pytest.raises(NotImplementedError, match=f"not '{method}'"):
+            with pytest.raises(NotImplementedError, match=f"method '{method}'"):
                 PQAttentionImpl(4, 64, 0.125, 2)
         else:
             assert PQAttentionImpl(4, 64, 0.125, 2).num_kv_heads == 2

@@ -1,0 +1,141 @@
+"""Speculative decoding with drafts that have attention layers (EAGLE, EAGLE-3, MTP): the draft
+layers have no codebooks and run on the vLLM backend named in speculative_config, keeping their
+KV dense in the target's KV cache group. impl.draft_refusal on vLLM's own SpeculativeConfig
+objects, and vLLM's grouping and layout of PQ pages next to dense draft pages."""
+
+import json
+import os
+
+import pytest
+import torch
+from vllm.config import SpeculativeConfig, set_current_vllm_config
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
+from vllm.v1.kv_cache_interface import FullAttentionSpec, UniformTypeKVCacheSpecs
+
+from helpers import vllm_config
+from vllm_pq_backend.backend import PQAttentionBackend
+from vllm_pq_backend.impl import PQAttentionImpl, draft_refusal
+from vllm_pq_backend.layout import PageLayout
+
+FIX = '"attention_backend": "FLASH_ATTN"'
+
+
+def draft_dir(target, tmp_path, arch):
+    """A one-layer draft of the target's shape, as an EAGLE checkpoint's config.json."""
+    with open(os.path.join(target, "config.json")) as f:
+        cfg = json.load(f)
+    cfg.update(architectures=[arch], num_hidden_layers=1)
+    path = tmp_path / arch
+    path.mkdir(exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg))
+    return str(path)
+
+
+def speculative(vc, tmp_path, method, backend=None):
+    """The SpeculativeConfig vLLM builds from --speculative-config for ``method``."""
+    args = dict(method=method, num_speculative_tokens=3, target_model_config=vc.model_config,
+                target_parallel_config=vc.parallel_config)
+    if method in ("eagle", "eagle3"):
+        arch = {"eagle": "EagleLlamaForCausalLM", "eagle3": "LlamaForCausalLMEagle3"}[method]
+        args["model"] = draft_dir(vc.model_config.model, tmp_path, arch)
+    elif method == "draft_model":
+        args["model"] = vc.model_config.model
+    else:
+        args.update(prompt_lookup_min=2, prompt_lookup_max=4)
+    if backend is not None:
+        args["attention_backend"] = backend
+    return SpeculativeConfig(**args)
+
+
+# method, the draft layers' backend as --speculative-config names it, the target layer's
+# sliding window, and None to serve or the words the refusal must hold
+CASES = {
+    "ngram": ("ngram", None, 0, None),
+    "eagle3 on FLASH_ATTN": ("eagle3", "FLASH_ATTN", 0, None),
+    "eagle on FLASH_ATTN": ("eagle", "flash_attn", 0, None),
+    "eagle3 on TRITON_ATTN": ("eagle3", "TRITON_ATTN", 0, None),
+    "eagle3 without a draft backend": ("eagle3", None, 0, ("'eagle3'", "no PQ codebooks", FIX)),
+    "eagle3 on CUSTOM": ("eagle3", "CUSTOM", 0, ("'eagle3'", "no PQ codebooks", FIX)),
+    "eagle3, sliding-window target": ("eagle3", "FLASH_ATTN", 1024,
+                                      ("sliding-window", "KV cache group")),
+    "draft_model": ("draft_model", "FLASH_ATTN", 0,
+                    ("'draft_model'", "codebooks of their own", "eagle, eagle3 or mtp")),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_served_and_refused(case, model_factory, tmp_path):
+    method, backend, sliding_window, words = CASES[case]
+    vc = vllm_config(model_factory(), block_size=128, pq={"m": 32})
+    reason = draft_refusal(speculative(vc, tmp_path, method, backend), sliding_window)
+    if words is None:
+        assert reason is None, reason
+    else:
+        assert reason is not None
+        assert "\n" not in reason  # one line
+        missing = [w for w in words if w not in reason]
+        assert not missing, (missing, reason)
+    assert draft_refusal(None) is None
+
+
+@pytest.mark.parametrize("backend, draft", [(None, "CUSTOM"), ("FLASH_ATTN", "FLASH_ATTN")])
+def test_vllm_gives_the_draft_the_named_backend(model_factory, tmp_path, backend, draft):
+    """What the refusal relies on: model runner V2 builds EAGLE and MTP drafts under
+    apply_draft_overrides, which keeps the target's CUSTOM unless the speculative config
+    names a backend, and then uses that one."""
+    vc = vllm_config(model_factory(), block_size=128, pq={"m": 32})
+    vc.attention_config.backend = AttentionBackendEnum.CUSTOM
+    spec = speculative(vc, tmp_path, "eagle3", backend)
+    assert spec.apply_draft_overrides(vc).attention_config.backend.name == draft
+    assert vc.attention_config.backend.name == "CUSTOM"  # the target keeps its own
+
+
+@pytest.mark.parametrize("backend, served", [("FLASH_ATTN", True), (None, False)])
+def test_the_engine_refuses_at_start_up(model_factory, tmp_path, backend, served):
+    """The target layer's impl runs the check on its engine's config."""
+    vc = vllm_config(model_factory(), block_size=128, pq={"m": 32})
+    vc.speculative_config = speculative(vc, tmp_path, "eagle3", backend)
+    vc.scheduler_config.async_scheduling = False
+    with set_current_vllm_config(vc):
+        if served:
+            PQAttentionImpl(4, 64, 0.125, 2)
+        else:
+            with pytest.raises(NotImplementedError, match="no PQ codebooks"):
+                PQAttentionImpl(4, 64, 0.125, 2)
+
+
+def test_dense_draft_pages_share_the_targets_kv_cache_group(model_factory):
+    """vLLM puts the target's PQ layers and a dense bf16 draft layer (same block size, full
+    attention) into one KV cache group with one block table and a page size per layer, and
+    lays them out in CUSTOM's layer-outer layout: each layer's region holds num_blocks of
+    its own pages, so the draft costs what it holds and the PQ pages keep their size."""
+    from vllm.v1.core.kv_cache_utils import (
+        get_kv_cache_config_from_groups,
+        get_kv_cache_groups,
+    )
+
+    block = 128
+    vc = vllm_config(model_factory(), block_size=block, pq={"m": 32})
+    vc.cache_config.kv_cache_layout = PQAttentionBackend.supported_kv_cache_layouts()[0].name
+    dense = FullAttentionSpec(block_size=block, num_kv_heads=2, head_size=64,
+                              dtype=torch.bfloat16)
+    with set_current_vllm_config(vc):
+        pq = PQAttentionBackend.customize_spec(dense)
+    specs = {"model.layers.0.self_attn.attn": pq, "model.layers.1.self_attn.attn": pq,
+             "model.layers.2.self_attn.attn": dense}  # the EAGLE layer after the target's
+    assert pq.page_size_bytes == 2 * block * PageLayout(block, 32, 32).state_bytes  # 2 KV heads
+    assert dense.page_size_bytes == 2 * block * 2 * 64 * 2  # heads, tokens, K and V, bf16
+    (group,) = get_kv_cache_groups(vc, specs)
+    assert isinstance(group.kv_cache_spec, UniformTypeKVCacheSpecs)
+    assert group.kv_cache_spec.kv_cache_specs == specs  # every layer keeps its own page
+    per_block = 2 * pq.page_size_bytes + dense.page_size_bytes
+    config = get_kv_cache_config_from_groups(vc, [group], available_memory=10 * per_block)
+    assert config.num_blocks == 10
+    regions = {name: (t.offset, t.block_stride) for t in config.kv_cache_tensors
+               for name in t.layers}
+    assert regions["model.layers.0.self_attn.attn"][1] == pq.page_size_bytes
+    assert regions["model.layers.2.self_attn.attn"][1] == dense.page_size_bytes
+    ends = sorted((off, off + 10 * stride * len(t.layers)) for t in config.kv_cache_tensors
+                  for off, stride in [(t.offset, t.block_stride)])
+    assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:]))  # regions do not overlap
+    assert ends[-1][1] <= 10 * per_block

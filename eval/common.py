@@ -112,7 +112,8 @@ def codebook_meta(path):
                 method="plain" if not info.transforms and not cal.get("method") else
                 json.dumps(cal.get("method"), sort_keys=True),
                 calib_text=cal.get("texts"), calib_tokens=cal.get("tokens"),
-                calib_seq_len=cal.get("seq_len"), calib_pack=bool(cal.get("pack")),
+                calib_seq_len=cal.get("seq_lens") or cal.get("seq_len"),
+                calib_pack=bool(cal.get("pack")),
                 calib_model_context=cal.get("model_context"),
                 calib_samples=cal.get("samples_per_head"))
 
@@ -159,11 +160,12 @@ CALIB_TOKENS = 65536  # calibrate's default
 def calibration(meta: dict) -> str:
     """How a codebook file was calibrated (codebook_meta's fields), where it is not
     calibrate's default (packed sequences as long as the model's context, at most the
-    tokens run): ", calibrated on 512K tokens in 8K-token packed sequences", or ""."""
+    tokens run): ", calibrated on 512K tokens in 8K-token packed sequences", or "". A list
+    of sequence lengths (calibrate --seq-len 2048 8192) is never the default."""
     tokens = meta.get("calib_tokens") not in (None, CALIB_TOKENS)
     context = meta.get("calib_model_context")  # recorded by calibrate since it packs by default
     seqs = meta.get("calib_seq_len") is not None and not (
-        meta.get("calib_pack") and context
+        isinstance(meta["calib_seq_len"], int) and meta.get("calib_pack") and context
         and meta["calib_seq_len"] == min(context, meta.get("calib_tokens") or CALIB_TOKENS))
     if not tokens and not seqs:
         return ""
@@ -177,11 +179,15 @@ def engine_label(meta: dict, window: int) -> str:
     return f"CUSTOM K{meta['bits_k']}/V{meta['bits_v']} bits W={window}" + calibration(meta)
 
 
-def calibration_words(tokens: int | None, seq_len: int | None, pack: bool) -> str:
-    """"512K tokens in 8K-token packed sequences", either part left out where None."""
+def calibration_words(tokens: int | None, seq_len: int | list[int] | None, pack: bool) -> str:
+    """"512K tokens in 8K-token packed sequences" ("2K- and 8K-token" for a list of
+    lengths), either part left out where None."""
     words = [f"{tokens // 1024}K tokens"] if tokens else []
     if seq_len:
-        words.append(f"{seq_len // 1024}K-token {'packed ' if pack else ''}sequences")
+        lens = [f"{n // 1024}K" if n % 1024 == 0 else f"{n:,}"
+                for n in ([seq_len] if isinstance(seq_len, int) else seq_len)]
+        both = lens[0] if len(lens) == 1 else ", ".join(lens[:-1]) + "- and " + lens[-1]
+        words.append(f"{both}-token {'packed ' if pack else ''}sequences")
     return " in ".join(words)
 
 

@@ -751,8 +751,10 @@ def long_note(sec: dict, model: str) -> str:
 
 
 def short_calibration(e: dict, length: int) -> bool:
-    """Codebooks calibrated on sequences shorter than ``length`` tokens."""
-    return (e.get("calib_seq_len") or length) < length
+    """Codebooks calibrated on sequences shorter than ``length`` tokens (the longest of a
+    mix of lengths)."""
+    seq = e.get("calib_seq_len") or length
+    return (seq if isinstance(seq, int) else max(seq)) < length
 
 
 @table("long-context")

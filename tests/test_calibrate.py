@@ -1,6 +1,8 @@
 """The calibration tool end to end on a tiny random Llama (offline, CPU)."""
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -337,3 +339,27 @@ def test_capture_in_query_blocks_gives_the_same_statistics():
         assert ((x - y).abs() <= 1e-5 * x.abs().amax()).all()
         assert ((a.qa - b.qa).abs() <= 1e-5 * a.qa.abs().amax()).all()
         assert a.rows("mass").sum() > 0  # keys read through codes were seen
+
+
+def test_calibrate_mixes_sequence_lengths(tmp_path):
+    """--seq-len 64 256: the packed text is shared out between the lengths, about the same
+    tokens each, every sequence BOS first and no longer than its length; the file records
+    both lengths and the evaluation scripts name the mix."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eval"))
+    from common import calibration, codebook_meta
+    from vllm_pq_backend.calibrate import mix_lengths
+
+    seqs = mix_lengths([[1] + list(range(10, 265))] * 4, [64, 256], 1)
+    assert [len(s) for s in seqs] == [64] * 4 + [256] + [64] * 4 + [256]  # 3-token tails dropped
+    assert all(s[0] == 1 and 1 not in s[1:] for s in seqs)
+    assert seqs[1][1:] == list(range(73, 136))  # the body goes on where the last piece ended
+    model = tiny_model(tmp_path / "model")
+    text = tmp_path / "a.txt"
+    text.write_text(" ".join(WORDS) * 200)
+    out = tmp_path / "mix.safetensors"
+    assert main(["--model", model, "--text", str(text), "--m", "8", "--tokens", "2048",
+                 "--seq-len", "256", "64", "--niter", "3", "--device", "cpu",
+                 "--dtype", "float32", "--out", str(out)]) == 0
+    meta = codebook_meta(str(out))
+    assert meta["calib_seq_len"] == [64, 256]
+    assert calibration(meta) == ", calibrated on 2K tokens in 64- and 256-token packed sequences"

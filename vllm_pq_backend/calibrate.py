@@ -244,6 +244,25 @@ def token_sequences(tokenizer, docs, seq_len: int, max_tokens: int,
                            f"sequence needs (the longest has {longest}); give longer documents")
 
 
+def mix_lengths(seqs: list[list[int]], lengths: list[int], bos: int | None) -> list[list[int]]:
+    """``seqs`` (of the longest of ``lengths``) shared out in turn among ``lengths``, each
+    recut into sequences of its length, BOS first if any: about the same number of tokens
+    for every length, so that the early positions short prompts read weigh as much in the
+    statistics as the far ones only long prompts reach. Pieces under ``MIN_TOKENS`` are
+    dropped."""
+    if len(lengths) == 1:
+        return seqs
+    head = [] if bos is None else [bos]
+    out = []
+    for i, seq in enumerate(seqs):
+        length = lengths[i % len(lengths)]
+        body = seq[len(head):]
+        step = length - len(head)
+        out += [head + body[s : s + step] for s in range(0, len(body), step)
+                if len(body[s : s + step]) + len(head) >= MIN_TOKENS]
+    return out
+
+
 def _joined(docs):
     """The documents' text pieces as one document's, a blank line between documents."""
     for k, doc in enumerate(docs):
@@ -609,9 +628,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=32768,
                    help="K/V rows kept per layer and head for training (default 32768, at "
                         f"least {NUM_CENTROIDS})")
-    p.add_argument("--seq-len", type=int, default=None,
+    p.add_argument("--seq-len", type=int, nargs="+", default=None,
                    help="tokens per forward pass (default: the model's context, at most "
-                        f"--tokens; at least {MIN_TOKENS})")
+                        f"--tokens; at least {MIN_TOKENS}). Several lengths share --tokens "
+                        "equally, for codebooks that serve short prompts as well as long ones: "
+                        "e.g. --seq-len 2048 8192")
     p.add_argument("--niter", type=int, default=Method.niter, help=f"k-means iterations (default {Method.niter})")
     p.add_argument("--window", type=int, default=128,
                    help="the serving window the statistics assume (default 128)")
@@ -655,13 +676,14 @@ def _overrides(parser, items: list[str]) -> dict:
 
 def _check_args(parser, args) -> None:
     """What the arguments alone can tell is wrong, before anything is loaded."""
-    for name in ("m", "m_v", "tokens", "samples", "seq_len", "niter"):
+    for name in ("m", "m_v", "tokens", "samples", "niter"):
         value = getattr(args, name)
         if value is not None and value <= 0:
             parser.error(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
-    if args.seq_len is not None and args.seq_len < MIN_TOKENS:
-        parser.error(f"--seq-len must be at least {MIN_TOKENS} (shorter sequences are too "
-                     f"short to calibrate with), got {args.seq_len}")
+    for value in args.seq_len or ():
+        if value < MIN_TOKENS:
+            parser.error(f"--seq-len must be at least {MIN_TOKENS} (shorter sequences are too "
+                         f"short to calibrate with), got {value}")
     for name in ("tokens", "samples"):
         if getattr(args, name) < NUM_CENTROIDS:
             parser.error(f"--{name} must be at least {NUM_CENTROIDS} (k-means trains "
@@ -788,11 +810,14 @@ def _run(args, parser) -> int:
 
     context = getattr(hf.get_text_config(), "max_position_embeddings", None)
     # keys are coded after RoPE: codebooks serve the positions their sequences reached
-    seq_len = args.seq_len or max(MIN_TOKENS, min(context or DEFAULT_SEQ_LEN, args.tokens))
+    lengths = sorted(set(args.seq_len or [max(MIN_TOKENS, min(context or DEFAULT_SEQ_LEN,
+                                                                  args.tokens))]))
+    seq_len = lengths[-1]
     docs = read_documents(args.text)
     tok = load_tokenizer(args.model)
-    seqs = token_sequences(tok, docs, seq_len, args.tokens,
-                           args.seed if args.shuffle_docs else None, args.pack)
+    seqs = mix_lengths(token_sequences(tok, docs, seq_len, args.tokens,
+                                       args.seed if args.shuffle_docs else None, args.pack),
+                       lengths, tok.bos_token_id)
     total = sum(map(len, seqs))
     if total < NUM_CENTROIDS:
         raise CalibrationError(f"{' '.join(args.text)} gives {total} tokens in sequences of "
@@ -827,6 +852,7 @@ def _run(args, parser) -> int:
         "model": os.path.abspath(args.model),
         "texts": [os.path.abspath(t) for t in args.text],
         "documents": docs.count, "tokens": total, "seq_len": seq_len, "model_context": context, "samples_per_head": samples,
+        **({"seq_lens": lengths} if len(lengths) > 1 else {}),
         "seed": args.seed, "dtype": args.dtype, "window": args.window,
         "shuffle_docs": args.shuffle_docs, "pack": args.pack,
         "method": asdict(method), "pinned_bos_sink": stats[0].sink is not None,

@@ -297,9 +297,11 @@ def test_gpt_oss_with_every_key_exact_equals_triton_and_flash_attention(gpt_oss,
     every request whole (prompt and 40 generated tokens), CUSTOM reads every key exact, so
     in batch-invariant eager mode its greedy tokens are TRITON_ATTN's (vLLM's unified Triton
     attention, the kernel CUSTOM's batch-invariant path calls) and FLASH_ATTN's (FA3, sinks
-    as s_aux). Each reference runs in two fresh engines and must first repeat itself: one
-    that does not (near-tied choices meeting arithmetic that varies between engines) is no
-    reference for CUSTOM, and the test says so."""
+    as s_aux). Each reference runs in two fresh engines: a prompt whose greedy tokens differ
+    between two runs of a reference, or between the references, meets near-tied choices
+    on this random model and is no reference for CUSTOM. On every other prompt (at least
+    half of them must be such) CUSTOM's tokens equal both references'."""
+    from test_calibrate import WORDS
     from vllm import SamplingParams
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -307,19 +309,23 @@ def test_gpt_oss_with_every_key_exact_equals_triton_and_flash_attention(gpt_oss,
     model, _ = gpt_oss
     # no K/V maps: window rows then meet the same arithmetic as TRITON_ATTN's
     books = random_codebooks(str(tmp_path / "b.safetensors"), model, 32, seed=1)
+    rng = random.Random(2)
+    prompts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 16))) for _ in range(8)]
     sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     runs = {}
     for backend in ("TRITON_ATTN", "FLASH_ATTN", "CUSTOM", "TRITON_ATTN", "FLASH_ATTN"):
         kw = ({"additional_config": {"pq": {"codebooks": books, "window": 64}}}
               if backend == "CUSTOM" else {})
-        out = gpt_oss_outputs(model, backend, PROMPTS, sp, **kw)
+        out = gpt_oss_outputs(model, backend, prompts, sp, **kw)
         assert all(len(o.prompt_token_ids) + 40 <= 64 for o in out)
         runs.setdefault(backend, []).append([o.outputs[0].token_ids for o in out])
-    for ref in ("TRITON_ATTN", "FLASH_ATTN"):
-        first, second = runs[ref]
-        assert first == second, f"{ref} does not repeat its own greedy outputs in a new engine"
-    assert runs["CUSTOM"][0] == runs["TRITON_ATTN"][0]
-    assert runs["CUSTOM"][0] == runs["FLASH_ATTN"][0]
+    stable = [i for i in range(len(prompts)) if len(
+        {tuple(r[i]) for ref in ("TRITON_ATTN", "FLASH_ATTN") for r in runs[ref]}) == 1]
+    print(f"gpt-oss, every key exact: {len(stable)} of {len(prompts)} prompts reproducible "
+          f"by both references; CUSTOM equal on "
+          f"{sum(runs['CUSTOM'][0][i] == runs['TRITON_ATTN'][0][i] for i in range(len(prompts)))}")
+    assert len(stable) >= len(prompts) // 2, "the references do not repeat themselves"
+    assert [runs["CUSTOM"][0][i] for i in stable] == [runs["TRITON_ATTN"][0][i] for i in stable]
 
 
 def test_gpt_oss_through_codes_stays_near_bf16(gpt_oss, monkeypatch):

@@ -1,10 +1,14 @@
 """Speculative decoding with drafts that have attention layers (EAGLE, EAGLE-3, MTP): the draft
 layers have no codebooks and run on the vLLM backend named in speculative_config, keeping their
 KV dense in the target's KV cache group. impl.draft_refusal on vLLM's own SpeculativeConfig
-objects, and vLLM's grouping and layout of PQ pages next to dense draft pages."""
+objects, and vLLM's grouping and layout of PQ pages next to dense draft pages. MTP on
+MiMo (``MiMoForCausalLM``: Qwen2 attention, one MTP layer), as eval/speculative.py writes
+its config."""
 
 import json
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +21,25 @@ from vllm_pq_backend.backend import PQAttentionBackend
 from vllm_pq_backend.impl import PQAttentionImpl, draft_refusal
 from vllm_pq_backend.layout import PageLayout
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eval"))
+import speculative as spec_eval  # noqa: E402
+
 FIX = '"attention_backend": "FLASH_ATTN"'
+
+
+def tiny_mimo(path) -> tuple[str, str]:
+    """(folder, codebook file): a MiMo of two layers, head_dim 64 (4 query / 2 KV heads),
+    and one MTP layer; config.json only (serve with load_format dummy) and random 4-bit
+    codebooks."""
+    cfg = spec_eval.mimo_config(hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                                max_position_embeddings=4096, bos_token_id=1, eos_token_id=2)
+    return spec_eval.write_target(str(path), cfg, bits=4)
+
+
+@pytest.fixture(scope="module")
+def mimo(tmp_path_factory):
+    return tiny_mimo(tmp_path_factory.mktemp("mimo"))[0]
 
 
 def draft_dir(target, tmp_path, arch):
@@ -40,11 +62,18 @@ def speculative(vc, tmp_path, method, backend=None):
         args["model"] = draft_dir(vc.model_config.model, tmp_path, arch)
     elif method == "draft_model":
         args["model"] = vc.model_config.model
-    else:
+    elif method == "ngram":
         args.update(prompt_lookup_min=2, prompt_lookup_max=4)
+    # mtp: vLLM takes the MTP layers from the target's own folder
     if backend is not None:
         args["attention_backend"] = backend
     return SpeculativeConfig(**args)
+
+
+def target(method, model_factory, mimo):
+    """The engine config of the method's target: MiMo for mtp, else a Llama."""
+    return vllm_config(mimo if method == "mtp" else model_factory(), block_size=128,
+                       pq={"m": 32})
 
 
 # method, the draft layers' backend as --speculative-config names it, the target layer's
@@ -58,15 +87,19 @@ CASES = {
     "eagle3 on CUSTOM": ("eagle3", "CUSTOM", 0, ("'eagle3'", "no PQ codebooks", FIX)),
     "eagle3, sliding-window target": ("eagle3", "FLASH_ATTN", 1024,
                                       ("sliding-window", "KV cache group")),
+    "mtp on FLASH_ATTN": ("mtp", "FLASH_ATTN", 0, None),
+    "mtp without a draft backend": ("mtp", None, 0, ("'mtp'", "no PQ codebooks", FIX)),
+    "mtp on CUSTOM": ("mtp", "CUSTOM", 0, ("'mtp'", "no PQ codebooks", FIX)),
+    "mtp, sliding-window target": ("mtp", "FLASH_ATTN", 1024, ("sliding-window", "KV cache group")),
     "draft_model": ("draft_model", "FLASH_ATTN", 0,
                     ("'draft_model'", "codebooks of their own", "eagle, eagle3 or mtp")),
 }
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_served_and_refused(case, model_factory, tmp_path):
+def test_served_and_refused(case, model_factory, mimo, tmp_path):
     method, backend, sliding_window, words = CASES[case]
-    vc = vllm_config(model_factory(), block_size=128, pq={"m": 32})
+    vc = target(method, model_factory, mimo)
     reason = draft_refusal(speculative(vc, tmp_path, method, backend), sliding_window)
     if words is None:
         assert reason is None, reason
@@ -78,23 +111,27 @@ def test_served_and_refused(case, model_factory, tmp_path):
     assert draft_refusal(None) is None
 
 
+@pytest.mark.parametrize("method", ["eagle3", "mtp"])
 @pytest.mark.parametrize("backend, draft", [(None, "CUSTOM"), ("FLASH_ATTN", "FLASH_ATTN")])
-def test_vllm_gives_the_draft_the_named_backend(model_factory, tmp_path, backend, draft):
+def test_vllm_gives_the_draft_the_named_backend(model_factory, mimo, tmp_path, method, backend,
+                                                draft):
     """What the refusal relies on: model runner V2 builds EAGLE and MTP drafts under
-    apply_draft_overrides, which keeps the target's CUSTOM unless the speculative config
+    apply_draft_overrides (spec_decode/eagle/utils.load_eagle_model, which the MTP
+    speculator calls too), which keeps the target's CUSTOM unless the speculative config
     names a backend, and then uses that one."""
-    vc = vllm_config(model_factory(), block_size=128, pq={"m": 32})
+    vc = target(method, model_factory, mimo)
     vc.attention_config.backend = AttentionBackendEnum.CUSTOM
-    spec = speculative(vc, tmp_path, "eagle3", backend)
+    spec = speculative(vc, tmp_path, method, backend)
     assert spec.apply_draft_overrides(vc).attention_config.backend.name == draft
     assert vc.attention_config.backend.name == "CUSTOM"  # the target keeps its own
 
 
+@pytest.mark.parametrize("method", ["eagle3", "mtp"])
 @pytest.mark.parametrize("backend, served", [("FLASH_ATTN", True), (None, False)])
-def test_the_engine_refuses_at_start_up(model_factory, tmp_path, backend, served):
+def test_the_engine_refuses_at_start_up(model_factory, mimo, tmp_path, method, backend, served):
     """The target layer's impl runs the check on its engine's config."""
-    vc = vllm_config(model_factory(), block_size=128, pq={"m": 32})
-    vc.speculative_config = speculative(vc, tmp_path, "eagle3", backend)
+    vc = target(method, model_factory, mimo)
+    vc.speculative_config = speculative(vc, tmp_path, method, backend)
     vc.scheduler_config.async_scheduling = False
     with set_current_vllm_config(vc):
         if served:

@@ -417,54 +417,68 @@ def test_qwen3_exact_window_matches_triton_attn_and_codes_serve(tmp_path, monkey
         assert len(set(o.token_ids)) > 1, o.token_ids
 
 
-# Speculative decoding with drafts that have attention layers
+# Speculative decoding with drafts that have attention layers: folders and configs as
+# eval/speculative.py writes them
 
-def eagle3_draft(model, path):
-    """A one-layer EAGLE-3 head of the target's shape (weights: load_format dummy), reading
-    the target's embeddings and the outputs of both its layers."""
-    import json
-    import os
 
-    with open(os.path.join(model, "config.json")) as f:
-        cfg = json.load(f)
-    layers = [0, 1, 2]  # the embeddings, then after each of the target's two layers
-    cfg.update(architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1,
-               draft_vocab_size=cfg["vocab_size"], eagle_aux_hidden_state_layer_ids=layers,
-               eagle_config={"eagle_aux_hidden_state_layer_ids": layers})
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    return str(path)
+def speculation_keeps_greedy_outputs(common, prompts, sp, speculative_config, name):
+    """Greedy outputs of an engine with ``common`` settings and ``speculative_config`` are
+    those of one without, and the draft proposed tokens, so verification ran. A random
+    draft is rarely accepted: vLLM's counters are printed, the accepted count not bounded."""
+    from vllm import LLM
+
+    plain = LLM(**common)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, sp, use_tqdm=False)]
+    del plain
+    settle()
+    spec = LLM(**common, disable_log_stats=False, speculative_config=speculative_config)
+    got = [o.outputs[0].token_ids for o in spec.generate(prompts, sp, use_tqdm=False)]
+    assert got == want
+    names = [f"vllm:spec_decode_num_{n}" for n in ("drafts", "draft_tokens", "accepted_tokens")]
+    metrics = {m.name: m.value for m in spec.get_metrics() if m.name in names}
+    print(f"{name} on CUSTOM:", metrics)
+    assert metrics.get("vllm:spec_decode_num_draft_tokens", 0) > 0
+    assert "vllm:spec_decode_num_accepted_tokens" in metrics
 
 
 def test_eagle3_speculation_keeps_greedy_outputs(tmp_path, monkeypatch):
-    """Batch-invariant eager mode: greedy outputs with an EAGLE-3 draft (3 tokens; its layer
-    on FLASH_ATTN with dense KV next to the target's PQ pages) are those without, and the
-    draft proposed tokens, so verification ran. A random draft is rarely accepted: the
-    accepted count is printed, not bounded."""
-    from vllm import LLM, SamplingParams
+    """Batch-invariant eager mode: greedy outputs with a one-layer EAGLE-3 draft of dummy
+    weights (3 tokens; its layer on FLASH_ATTN with dense KV next to the target's PQ
+    pages) are those without."""
+    from test_speculative import spec_eval
+    from vllm import SamplingParams
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
     model = tiny_model(tmp_path / "model", head_dim=64)
     books = random_codebooks(str(tmp_path / "a.safetensors"), model, 32, seed=1)
-    draft = eagle3_draft(model, tmp_path / "draft")
+    draft = spec_eval.eagle3_draft(model, tmp_path / "draft")
     common = dict(model=model, attention_backend="CUSTOM", enforce_eager=True,
                   max_model_len=512, gpu_memory_utilization=0.15, max_num_seqs=8, seed=0,
                   async_scheduling=False,
                   additional_config={"pq": {"codebooks": books, "window": 32}})
     sp = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
-    plain = LLM(**common)
-    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, sp, use_tqdm=False)]
-    del plain
-    settle()
-    spec = LLM(**common, disable_log_stats=False, speculative_config={
-        "method": "eagle3", "model": draft, "num_speculative_tokens": 3,
-        "attention_backend": "FLASH_ATTN", "draft_load_config": {"load_format": "dummy"}})
-    got = [o.outputs[0].token_ids for o in spec.generate(PROMPTS, sp, use_tqdm=False)]
-    assert got == want
-    names = [f"vllm:spec_decode_num_{n}" for n in ("drafts", "draft_tokens", "accepted_tokens")]
-    metrics = {m.name: m.value for m in spec.get_metrics() if m.name in names}
-    print("EAGLE-3 on CUSTOM:", metrics)
-    assert metrics.get("vllm:spec_decode_num_draft_tokens", 0) > 0
-    assert "vllm:spec_decode_num_accepted_tokens" in metrics
+    speculation_keeps_greedy_outputs(common, PROMPTS, sp,
+                                     spec_eval.speculative_config("eagle3", 3, draft), "EAGLE-3")
+
+
+def test_mtp_speculation_keeps_greedy_outputs(tmp_path, monkeypatch):
+    """Batch-invariant eager mode: greedy outputs of a tiny MiMo (two layers, head_dim 64,
+    dummy weights, random 4-bit codebooks) with its MTP layer drafting 3 tokens (on
+    FLASH_ATTN, dense KV next to the target's PQ pages) are those without. Token-id
+    prompts of 96-160 tokens, past the 32-token window."""
+    from test_speculative import spec_eval, tiny_mimo
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    model, books = tiny_mimo(tmp_path / "model")
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in spec_eval.prompts(3, 512)]
+    common = dict(model=model, load_format="dummy", skip_tokenizer_init=True,
+                  attention_backend="CUSTOM", enforce_eager=True, max_model_len=512,
+                  gpu_memory_utilization=0.15, max_num_seqs=8, seed=0, async_scheduling=False,
+                  additional_config={"pq": {"codebooks": books, "window": 32}})
+    sp = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True, detokenize=False)
+    speculation_keeps_greedy_outputs(common, prompts, sp, spec_eval.speculative_config("mtp", 3),
+                                     "MTP")

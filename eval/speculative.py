@@ -31,7 +31,8 @@ Recorded per engine: greedy outputs (with speculation: how many prompts give exa
 tokens of the engine without, in both generates), vLLM's ``vllm:spec_decode_num_drafts``,
 ``_draft_tokens`` and ``_accepted_tokens`` over the timed generate, KV cache capacity in
 tokens and bytes per token (the target's pages and the draft's apart), device memory
-the engine holds once started (``torch.cuda.mem_get_info`` before and after), and the
+the engine holds once started (this process's ``torch.cuda.memory_reserved`` before and
+after, so other processes on the GPU do not count), and the
 time per output token of the timed generate (vLLM's per-request timestamps; eager
 batch-invariant mode, so slower than served with CUDA graphs). A draft of dummy weights
 predicts nothing of the target: the counts show that verification ran, not what a trained
@@ -202,15 +203,16 @@ def measure(model: str, backend_kw: dict, spec: dict | None, ids: list[list[int]
     from vllm.inputs import TokensPrompt
 
     settle()
-    free, total = torch.cuda.mem_get_info()
+    reserved, total = torch.cuda.memory_reserved(), torch.cuda.mem_get_info()[1]
     t0 = time.time()
     llm = LLM(model=model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
               seed=0, enforce_eager=True, async_scheduling=False, block_size=BLOCK,
               max_model_len=max(map(len, ids)) + args.max_tokens + args.num_speculative_tokens,
               max_num_seqs=len(ids), gpu_memory_utilization=args.gpu_memory_utilization,
+              kv_cache_memory_bytes=args.kv_cache_memory_bytes,
               disable_log_stats=False, speculative_config=spec, **backend_kw)
     start_s = time.time() - t0
-    free_after, _ = torch.cuda.mem_get_info()
+    held = torch.cuda.memory_reserved() - reserved
     kv = kv_cache(llm)
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True,
                         detokenize=False)
@@ -226,7 +228,7 @@ def measure(model: str, backend_kw: dict, spec: dict | None, ids: list[list[int]
     del llm
     settle()
     return dict(
-        engine_start_s=round(start_s, 1), gpu_memory_bytes=free - free_after,
+        engine_start_s=round(start_s, 1), gpu_memory_bytes=held,
         gpu_total_bytes=total, block_size=BLOCK, **kv, warmup=[list(x) for x in warmup],
         outputs=[list(o.outputs[0].token_ids) for o in out], wall_s=wall,
         tpot_s=[(o.metrics.last_token_ts - o.metrics.first_token_ts)
@@ -335,6 +337,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--num-speculative-tokens", type=int, default=3)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.4)
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="the KV cache's "
+                   "size, the same for every engine, instead of what memory profiling leaves "
+                   "(so other processes may share the GPU)")
     p.add_argument("--out", default="eval/results/speculative.json")
     a = p.parse_args(argv)
     if a.layers is not None and a.layers < 2:
@@ -386,11 +391,12 @@ def main(argv=None) -> int:
                        "VLLM_ENABLE_V1_MULTIPROCESSING=0",
                   prompts=args.prompts, max_tokens=args.max_tokens,
                   num_speculative_tokens=args.num_speculative_tokens,
-                  gpu_memory_utilization=args.gpu_memory_utilization, block_size=BLOCK,
+                  gpu_memory_utilization=args.gpu_memory_utilization,
+                  kv_cache_memory_bytes=args.kv_cache_memory_bytes, block_size=BLOCK,
                   tpot="median over prompts of (last_token_ts - first_token_ts) / "
                        "(generated tokens - 1), vLLM's RequestOutput.metrics, timed generate",
-                  gpu_memory="device memory in use after the engine started minus before "
-                             "(torch.cuda.mem_get_info)",
+                  gpu_memory="device memory this process's allocator holds after the engine "
+                             "started minus before (torch.cuda.memory_reserved)",
                   cases=cases, rows=rows)
     failed = failures(rows)
     result["pass"] = not failed

@@ -196,6 +196,24 @@ def kv_cache(llm) -> dict:
                        for name, s in core.model_executor.get_kv_cache_specs()[0].items()})
 
 
+def redraw_weights(model) -> None:
+    """The target's weights drawn again, for ``LLM.apply_model``: vLLM's dummy weights
+    (uniform in +-1e-3) make every output one repeated token, against which any engine
+    is "identical". Each matrix N(0, 0.02) and each norm 1, from a generator seeded by the
+    parameter's name, so that engines with and without speculation hold the same model."""
+    import zlib
+
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() < 2:
+                p.fill_(1.0 if "norm" in name else 0.0)
+                continue
+            g = torch.Generator(device=p.device).manual_seed(zlib.crc32(name.encode()))
+            p.copy_(torch.randn(p.shape, generator=g, device=p.device) * 0.02)
+
+
 def measure(model: str, backend_kw: dict, spec: dict | None, ids: list[list[int]], args) -> dict:
     """One engine started, run twice on ``ids`` (a warm-up, then timed) and dropped."""
     import torch
@@ -211,6 +229,7 @@ def measure(model: str, backend_kw: dict, spec: dict | None, ids: list[list[int]
               max_num_seqs=len(ids), gpu_memory_utilization=args.gpu_memory_utilization,
               kv_cache_memory_bytes=args.kv_cache_memory_bytes,
               disable_log_stats=False, speculative_config=spec, **backend_kw)
+    llm.apply_model(redraw_weights)
     start_s = time.time() - t0
     held = torch.cuda.memory_reserved() - reserved
     kv = kv_cache(llm)
@@ -303,12 +322,19 @@ def pair_rows(case: str, backend: str, plain: dict, spec: dict, target_layers: i
     return [without, with_]
 
 
+MIN_DISTINCT = 8  # distinct tokens an output must hold for its identity to mean something
+
+
 def failures(rows: list[dict]) -> list[str]:
-    """Why the run fails: prompts whose outputs differ, or a reference that does not
-    repeat itself (then it is no reference)."""
+    """Why the run fails: prompts whose outputs differ, a reference that does not repeat
+    itself (then it is no reference), or outputs too degenerate to compare."""
     out = []
     for r in rows:
         where = f"{r['case']}, {r['backend']}"
+        if r.get("distinct_output_tokens_min", MIN_DISTINCT) < MIN_DISTINCT:
+            out.append(f"{where}: an output holds {r['distinct_output_tokens_min']} distinct "
+                       f"tokens (fewer than {MIN_DISTINCT}): outputs that degenerate show no "
+                       f"identity")
         if r.get("repeats_itself", r["prompts"]) < r["prompts"]:
             out.append(f"{where}: without speculation, {r['prompts'] - r['repeats_itself']} of "
                        f"{r['prompts']} prompts give other tokens in the timed generate than "
@@ -386,7 +412,9 @@ def main(argv=None) -> int:
             cases.append(entry)
             rows += got
     meta = {k: cases[0]["codebooks"][k] for k in ("bits_k", "bits_v")}
-    result = dict(provenance(), **meta, weights="dummy",
+    result = dict(provenance(), **meta,
+                  weights="load_format dummy, then the target's drawn again (redraw_weights): "
+                          "matrices N(0, 0.02), norms 1; the draft's stay dummy",
                   mode="eager, VLLM_BATCH_INVARIANT=1, async scheduling off, "
                        "VLLM_ENABLE_V1_MULTIPROCESSING=0",
                   prompts=args.prompts, max_tokens=args.max_tokens,

@@ -424,14 +424,24 @@ def test_qwen3_exact_window_matches_triton_attn_and_codes_serve(tmp_path, monkey
 def speculation_keeps_greedy_outputs(common, prompts, sp, speculative_config, name):
     """Greedy outputs of an engine with ``common`` settings and ``speculative_config`` are
     those of one without, and the draft proposed tokens, so verification ran. A random
-    draft is rarely accepted: vLLM's counters are printed, the accepted count not bounded."""
+    draft is rarely accepted: vLLM's counters are printed, the accepted count not bounded.
+    Dummy weights are drawn again (spec_eval.redraw_weights): vLLM's own make every output
+    one repeated token."""
+    from test_speculative import spec_eval
     from vllm import LLM
 
-    plain = LLM(**common)
+    def engine(**kw):
+        llm = LLM(**common, **kw)
+        if common.get("load_format") == "dummy":
+            llm.apply_model(spec_eval.redraw_weights)
+        return llm
+
+    plain = engine()
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, sp, use_tqdm=False)]
     del plain
     settle()
-    spec = LLM(**common, disable_log_stats=False, speculative_config=speculative_config)
+    assert min(len(set(t)) for t in want) >= spec_eval.MIN_DISTINCT, want  # not degenerate
+    spec = engine(disable_log_stats=False, speculative_config=speculative_config)
     got = [o.outputs[0].token_ids for o in spec.generate(prompts, sp, use_tqdm=False)]
     assert got == want
     names = [f"vllm:spec_decode_num_{n}" for n in ("drafts", "draft_tokens", "accepted_tokens")]

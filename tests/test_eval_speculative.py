@@ -9,6 +9,7 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 from vllm.config import SpeculativeConfig, set_current_vllm_config
 from vllm.model_executor.models.registry import ModelRegistry
 
@@ -139,13 +140,14 @@ def raw(outputs, warmup=None, layers=4, draft_layers=0, num_blocks=1000, counter
                 wall_s=0.8, tpot_s=list(tpot), counters=counters or {})
 
 
-REF = [[5, 6, 7, 5], [8, 8, 9, 1], [3, 2, 1, 0]]
+REF = [[5, 6, 7, 5] + list(range(20, 27)), [8, 8, 9, 1] + list(range(30, 37)),
+       [3, 2, 1, 0] + list(range(40, 47))]
 COUNTS = dict(drafts=40, draft_tokens=120, accepted_tokens=30, accepted_tokens_per_pos=[20, 8, 2])
 
 
 def test_pair_rows():
     plain = raw(REF)
-    other = [REF[0], [8, 8, 9, 2], REF[2]]
+    other = [REF[0], REF[1][:-1] + [2], REF[2]]
     spec = raw(REF, warmup=other, draft_layers=1, num_blocks=900, counters=COUNTS,
                tpot=(0.020, 0.022, 0.021))
     without, with_ = se.pair_rows("MTP", "CUSTOM 4 bits", plain, spec, 4, "mtp, 3 tokens")
@@ -161,7 +163,7 @@ def test_pair_rows():
         (11.0, 21.0, round(21 / 11, 3))
     assert (with_["drafts"], with_["draft_tokens"], with_["accepted_tokens"]) == (40, 120, 30)
     assert with_["acceptance_rate"] == 0.25 and with_["accepted_tokens_per_pos"] == [20, 8, 2]
-    assert (with_["output_tokens"], with_["distinct_output_tokens_min"]) == (12, 3)
+    assert (with_["output_tokens"], with_["distinct_output_tokens_min"]) == (33, 10)
     assert se.failures([without]) == []
     (why,) = se.failures([without, with_])
     assert why == "MTP, CUSTOM 4 bits: with mtp, 3 tokens, 1 of 3 prompts' greedy outputs " \
@@ -169,6 +171,9 @@ def test_pair_rows():
     (why,) = se.failures(se.pair_rows("MTP", "CUSTOM 4 bits", raw(REF, warmup=other), raw(REF),
                                       4, "mtp"))
     assert "without speculation, 1 of 3 prompts give other tokens" in why
+    flat = [[7] * 11] * 3  # dummy weights' outputs: one token repeated
+    whys = se.failures(se.pair_rows("MTP", "CUSTOM 4 bits", raw(flat), raw(flat), 4, "mtp"))
+    assert len(whys) == 2 and all("1 distinct tokens (fewer than 8)" in w for w in whys)
 
 
 def fake_measure(differ=False):
@@ -176,7 +181,7 @@ def fake_measure(differ=False):
     ``differ``, the second prompt's tokens change under speculation."""
     def measure(model, backend_kw, spec, ids, args):
         cfg = json.load(open(Path(model) / "config.json"))
-        outs = [[len(p), i] + [7] * (args.max_tokens - 2) for i, p in enumerate(ids)]
+        outs = [[len(p), i] + list(range(100, 98 + args.max_tokens)) for i, p in enumerate(ids)]
         if spec and differ:
             outs[1] = outs[1][:-1] + [8]
         return raw(outs, layers=cfg["num_hidden_layers"], draft_layers=1 if spec else 0,
@@ -198,7 +203,7 @@ def test_a_run_writes_its_result_and_report_tables_it(tmp_path, monkeypatch, cap
     data = json.loads(out.read_text())
     assert (data["device"], data["git_commit"], data["bits_k"], data["bits_v"]) == \
         ("NVIDIA H200", "abc", 4, 4)
-    assert data["pass"] is True and data["weights"] == "dummy"
+    assert data["pass"] is True and data["weights"].startswith("load_format dummy, then the target")
     assert "VLLM_BATCH_INVARIANT=1" in data["mode"] and "async scheduling off" in data["mode"]
     assert [c["case"] for c in data["cases"]] == ["EAGLE-3", "MTP"]
     assert [c["target"] for c in data["cases"]] == ["Llama-3-8B shape, 4 layers",
@@ -255,3 +260,21 @@ def test_arguments():
                 ["--max-tokens", "1"], ["--bits", "3"]):
         with pytest.raises(SystemExit):
             se.parse_args(bad)
+
+
+def test_redraw_weights_is_the_same_model_every_time():
+    """Two engines given the same dummy model hold the same weights after redraw_weights:
+    matrices N(0, 0.02) seeded by name, norms 1, biases 0."""
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv_proj = torch.nn.Linear(64, 192)
+            self.input_layernorm = torch.nn.LayerNorm(64)
+
+    a, b = Block(), Block()
+    for m in (a, b):
+        se.redraw_weights(m)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    assert abs(a.qkv_proj.weight.std().item() - 0.02) < 0.002
+    assert torch.all(a.input_layernorm.weight == 1) and torch.all(a.qkv_proj.bias == 0)
+    assert not torch.equal(a.qkv_proj.weight[:64], a.qkv_proj.weight[64:128])

@@ -585,7 +585,7 @@ def speculative() -> str:
         md(["case", "target KV cache", "speculation", "greedy outputs identical", "drafts",
             "draft tokens", "accepted", "KV cache (tokens)", "bytes per token (target + draft)",
             "GPU memory held", "time per output token (ms)"], body), "",
-        f"{targets}; dummy weights, CUSTOM with random {data['bits_k']}-bit codebooks. "
+        f"{targets}; weights drawn at random (dummy, drawn again), CUSTOM with random {data['bits_k']}-bit codebooks. "
         f"{data['prompts']} prompts of {min(lengths)}-{max(lengths)} tokens, "
         f"{data['max_tokens']} greedy tokens each, one batch, a warm-up generate before the "
         f"timed one; {data['mode']}, so the times are not those of serving with CUDA graphs. "

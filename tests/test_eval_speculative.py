@@ -231,7 +231,7 @@ def test_a_run_writes_its_result_and_report_tables_it(tmp_path, monkeypatch, cap
     assert len(lines) == 2 + 4 + 2
     assert lines[-1].startswith("EAGLE-3: Llama-3-8B shape, 4 layers, one-layer EAGLE-3 head "
                                 "of the target's shape; MTP: MiMo-7B shape, 4 layers, the "
-                                "target's 1 MTP layer; dummy weights")
+                                "target's 1 MTP layer; weights drawn at random")
     assert "8 prompts of 96-320 tokens, 64 greedy tokens each" in lines[-1]
     assert lines[-1].endswith("NVIDIA H200, 2026-12-01. Source: `eval/results/speculative.json`.")
 

@@ -65,6 +65,18 @@ def random_codebooks(path, model_dir, m, seed=0, transforms=False, m_v=None):
     return path
 
 
+def check_refusal(reason: str | None, words) -> None:
+    """A start-up check's answer: None (served) where ``words`` is None, else one line
+    holding every one of ``words``."""
+    if words is None:
+        assert reason is None, reason
+        return
+    assert reason is not None
+    assert "\n" not in reason  # one line
+    missing = [w for w in words if w not in reason]
+    assert not missing, (missing, reason)
+
+
 def vllm_config(model_dir, *, block_size, pq, max_num_seqs=16, max_model_len=2048):
     from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
 

@@ -221,6 +221,17 @@ class Sim:
         self.free_blocks = r.blocks[keep_blocks:] + self.free_blocks
         return r.blocks[:keep_blocks]
 
+    def reject(self, rid, n, seed):
+        """Speculative decoding's rejected drafts: the request's last ``n`` tokens are
+        dropped, and the tokens that take their positions are new rows (from ``seed``)."""
+        r = self.reqs[rid]
+        keep = r.length - n
+        for rows in (r.q, r.k, r.v):
+            rows[:] = [torch.cat(rows)[:keep]]
+        g = torch.Generator().manual_seed(seed)
+        for s in r.source:
+            s[keep : keep + n] = torch.randn(s[keep : keep + n].shape, generator=g).to(s)
+
     def step(self, work: list[tuple[int, int]], rows_for=None, pad=0):
         """``work``: (rid, new tokens). Returns {rid: output [n, Hq, d]}. ``pad``: rows of
         junk after the step's tokens, their slots -1, as vLLM pads a step to a CUDA-graph

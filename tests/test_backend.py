@@ -9,7 +9,7 @@ import torch
 
 from helpers import RequestTable, Runner, random_codebooks, vllm_config, write_model_config
 from vllm_pq_backend import codebooks
-from vllm_pq_backend.config import PQConfig
+from vllm_pq_backend.config import PQConfig, default_codebook_path
 
 GOOD = dict(
     head_size=128, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=None,
@@ -730,3 +730,26 @@ def test_upload_sends_every_array_whole_and_aligned():
     base = sent[0].data_ptr()
     assert all((t.data_ptr() - base) % 16 == 0 for t in sent if t.numel())
     assert upload([], "cpu") == []
+
+
+def test_default_window_stays_below_the_sliding_window(tmp_path):
+    """The residual window must sit inside a sliding layer's window: unset, it is halved
+    until it does (gpt-oss's 128-token sliding layers get 64); calibration assumes the
+    same (test_calibrate_a_model_with_attention_sinks)."""
+    import json
+
+    from vllm_pq_backend.config import default_window
+    from vllm_pq_backend.engine_config import EngineConfig
+
+    assert [default_window(128), default_window(64), default_window(128, 4096),
+            default_window(128, 512), default_window(128, 128), default_window(64, 64),
+            default_window(128, 16)] == [128, 64, 128, 128, 64, 32, 0]
+    model = write_model_config(str(tmp_path / "m"))
+    with open(os.path.join(model, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["sliding_window"] = 128
+    with open(os.path.join(model, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    random_codebooks(default_codebook_path(model, 32), model, 32)
+    assert EngineConfig.of(vllm_config(model, block_size=128, pq={})).window == 64
+    assert EngineConfig.of(vllm_config(model, block_size=128, pq={"window": 32})).window == 32

@@ -48,6 +48,8 @@ class EngineConfig:
         self._parallel = vllm_config.parallel_config
         self._compilation = vllm_config.compilation_config
         self._windows: dict[int, int] = {}  # block size -> window
+        sw = mc.get_sliding_window()
+        self._sliding_window = sw if isinstance(sw, int) and sw > 0 else None  # the default's bound
         spec = vllm_config.speculative_config
         # tokens a verification step adds per request beyond the one it decodes (0: none)
         self.draft_tokens = int(getattr(spec, "num_speculative_tokens", 0) or 0)
@@ -87,7 +89,7 @@ class EngineConfig:
         for another window."""
         b = self.block_size
         if b not in self._windows:
-            w = self.user.resolve_window(b)
+            w = self.user.resolve_window(b, self._sliding_window)
             if 0 < w <= self.draft_tokens:
                 raise ValueError(
                     f"pq window {w} must exceed the {self.draft_tokens} speculative tokens "

@@ -877,6 +877,99 @@ def long_context_retrieval() -> str:
                             "test on those two counts, p < 0.05). " + source("long_context.json")])
 
 
+def calibrated_name(e: dict) -> str:
+    """A CUSTOM row by its bits and how its codebooks were calibrated, the default named too."""
+    words = calibration(e) or (", calibrated on " + calibration_words(
+        None, e["calib_seq_len"], e["calib_pack"]) + " (default)")
+    return custom_name(e["bits_k"], e["bits_v"]) + words
+
+
+def only_each(a: dict, b: dict) -> tuple[int, int]:
+    """The prompts only ``a`` answered and only ``b`` answered, from their per-prompt
+    results on the same prompts."""
+    if len(a["correct"]) != len(b["correct"]):
+        raise SystemExit(f"report.py: {a['engine']!r} and {b['engine']!r} ran different prompts "
+                         f"at {a['task']} {a['length']}")
+    pairs = list(zip(a["correct"], b["correct"]))
+    return pairs.count(("1", "0")), pairs.count(("0", "1"))
+
+
+def starred(text: str, only_a: int, only_b: int) -> str:
+    return text + ("*" if sign_test(only_a, only_b) < 0.05 else "")
+
+
+@table("long-calibration")
+def long_calibration() -> str:
+    """One size of codebooks calibrated on sequences of different lengths, side by side in
+    vLLM (eval/long_context.py): perplexity and top-1 agreement with bf16 by position,
+    retrieval per task and length, and each non-default calibration against the default
+    prompt by prompt."""
+    out = []
+    for model, sec in load("long_calibration.json")["models"].items():
+        engines = sec["engines"]
+        ref = next(e for e in engines if e["label"] == LONG_REF)
+        customs = [e for e in engines if e is not ref]
+        default = next((e for e in customs if not calibration(e)), None)
+        buckets = [r["bucket"] for r in sec["fidelity"]["rows"] if r["engine"] == LONG_REF]
+        tasks = list(dict.fromkeys(r["task"] for r in sec["retrieval"]))
+        cols = [(t, n) for n in sec["lengths"] for t in tasks]
+        if len({(e["method"], e["calib_tokens"], tuple(e["calib_text"])) for e in customs}) > 1:
+            raise SystemExit("report.py: long_calibration.json: the codebooks differ in method, "
+                             "tokens or text; calibrate them alike but for --seq-len / --pack")
+
+        def need(r, e, what):
+            if r is None:
+                raise SystemExit(f"report.py: long_calibration.json: {e['label']!r} has no {what}")
+            return r
+
+        def ret(e, t, n):
+            return need(retrieval(sec, e, t, n), e, f"{t} at {n}")
+
+        def fid(e, b):
+            return need(fidelity(sec, e, b), e, f"fidelity in {b}")
+
+        fids = [[LONG_REF, "", *(f"{fid(ref, b)['ppl']:.3f}" for b in buckets), *[""] * len(buckets)]]
+        acc = [[LONG_REF, *(f"{ret(ref, t, n)['accuracy']:.1f}" for t, n in cols)]]
+        paired = []
+        for e in customs:
+            rs = [fid(e, b) for b in buckets]
+            fids.append([calibrated_name(e), e["codebook_sha256"], *(pct(r["delta_pct"]) for r in rs),
+                        *(f"{100 * r['top1_agreement']:.1f}%" for r in rs)])
+            acc.append([calibrated_name(e)] + [
+                starred(f"{r['accuracy']:.1f} ({r['delta_points']:+.1f})", r["only_bf16"], r["only_this"])
+                for r in (ret(e, t, n) for t, n in cols)])
+            if default is not None and e is not default:
+                row = [calibrated_name(e)]
+                for t, n in cols:
+                    a, b = ret(default, t, n), ret(e, t, n)
+                    only_d, only_e = only_each(a, b)
+                    row.append(starred(f"{b['accuracy'] - a['accuracy']:+.1f} ({only_d}/{only_e})", only_d, only_e))
+                paired.append(row)
+        windows = ", ".join(sorted({str(e["window"]) for e in customs}))
+        texts = " + ".join(Path(t).name for t in customs[0]["calib_text"])
+        out += [
+            f"**{model}: perplexity by position**", "",
+            md(["KV cache", "codebooks (sha256)", *(f"perplexity {b}" for b in buckets),
+                *(f"top-1 = bf16 {b}" for b in buckets)], fids), "",
+            "bf16's perplexity per position bucket, then each cache's change against it, and the "
+            "share of positions whose top-1 prediction is bf16's.", "",
+            f"**{model}: retrieval**", "",
+            md(["KV cache", *(f"{t} {n // 1024}K" for t, n in cols)], acc), "",
+            "Accuracy in %, each cache's change against bf16 in points in brackets; * marks a change "
+            "beyond chance (two-sided sign test on the prompts only one of the two answered, p < 0.05).", ""]
+        if paired:
+            out += [
+                f"**{model}: against the default codebooks, prompt by prompt**", "",
+                md(["codebooks", *(f"{t} {n // 1024}K" for t, n in cols)], paired), "",
+                f"Change in points against {calibrated_name(default)} on the same prompts, in "
+                "brackets the prompts only the default / only these codebooks answered; * as above.", ""]
+        out.append(f"CUSTOM: K and V at the bits per element each row names, residual window "
+                   f"{windows}; every codebook file trained alike on "
+                   f"{customs[0]['calib_tokens']:,} tokens of {texts}, "
+                   f"only the sequences differing. {long_note(sec, model)}")
+    return "\n".join(out + ["", source("long_calibration.json")])
+
+
 @table("long-calibration-sim")
 def long_calibration_sim() -> str:
     """Perplexity by position with codebooks calibrated on short and on long sequences, by

@@ -1,0 +1,130 @@
+"""eval/report.py's long-calibration table: rendered from the recorded run (no GPU), every
+number from the file, and a file that lacks what the table reads fails instead of
+rendering a blank."""
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "eval"))
+import report  # noqa: E402
+from common import calibration_words  # noqa: E402
+
+RECORDED = json.loads((ROOT / "eval" / "results" / "long_calibration.json").read_text())
+SHORT = "CUSTOM 4 bits, calibrated on 2K-token sequences"
+DEFAULT = "CUSTOM 4 bits, calibrated on 8K-token packed sequences (default)"
+MIX = "CUSTOM 4 bits, calibrated on 2K- and 8K-token packed sequences"
+
+
+def render(tmp_path, monkeypatch, data) -> str:
+    (tmp_path / "long_calibration.json").write_text(json.dumps(data))
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
+    return report.TABLES["long-calibration"]()
+
+
+def row(table: str, name: str, nth: int = 0) -> str:
+    """The ``nth`` table row whose first cell is ``name``."""
+    return [line for line in table.splitlines() if line.startswith(f"| {name} |")][nth]
+
+
+def test_renders_the_recorded_run():
+    table = report.TABLES["long-calibration"]()
+    assert row(table, "FLASH_ATTN bf16") == "| FLASH_ATTN bf16 |  | 15.069 | 13.116 | 13.954 |  |  |  |"
+    assert row(table, SHORT) == (f"| {SHORT} | 057d6f0464803dec | +0.41% | +10.55% | +49.91% "
+                                 "| 95.8% | 88.0% | 71.9% |")
+    assert row(table, DEFAULT) == (f"| {DEFAULT} | 69ce9c651d546cab | +1.08% | +1.86% | +1.23% "
+                                   "| 94.5% | 93.2% | 95.2% |")
+    assert row(table, MIX) == (f"| {MIX} | 0fea08e9cd2c411d | +0.47% | +0.64% | +1.12% "
+                               "| 95.9% | 95.2% | 95.2% |")
+    assert row(table, "FLASH_ATTN bf16", 1) == ("| FLASH_ATTN bf16 | 73.5 | 72.5 | 52.5 | 48.5 | 63.0 "
+                                                "| 33.5 | 35.5 | 47.5 | 19.5 |")
+    # against bf16: the recorded discordant counts (26 only bf16, 2 only the mix at passkey 8K)
+    assert row(table, MIX, 1) == (f"| {MIX} | 78.0 (+4.5)* | 72.5 (+0.0) | 54.5 (+2.0) | 52.0 (+3.5) "
+                                  "| 59.0 (-4.0) | 37.0 (+3.5) | 23.5 (-12.0)* | 40.0 (-7.5)* | 16.0 (-3.5)* |")
+    # against the default: counted here from the per-prompt results
+    assert row(table, MIX, 2) == (f"| {MIX} | -7.0 (17/3)* | +1.5 (13/16) | +4.5 (7/16) | -14.5 (32/3)* "
+                                  "| +1.5 (16/19) | -6.0 (17/5)* | -6.0 (14/2)* | +0.5 (10/11) | -2.0 (6/2) |")
+    assert len([line for line in table.splitlines() if line.startswith(f"| {DEFAULT} |")]) == 2
+    for words in ("NVIDIA H200", "2026-11-29", "residual window 128", "65,536 tokens of calib.jsonl",
+                  "200 prompts per task and length", "Source: `eval/results/long_calibration.json`."):
+        assert words in table
+
+
+def test_counts_each_prompt_against_the_default(tmp_path, monkeypatch):
+    """Of the 200 prompts at one task and length, the default answers the first six, the
+    mix the first one and the four after the default's: 5 only the default, 4 only the
+    mix, no star (p = 1); then the mix answers none: 6 / 0, starred (p = 0.03)."""
+    data = copy.deepcopy(RECORDED)
+    sec = data["models"]["SmolLM2-135M"]
+    default, mix = (e["label"] for e in sec["engines"][2:])
+    cell = {(r["engine"], r["task"], r["length"]): r for r in sec["retrieval"]}
+    rest = "0" * 190
+    cell[default, "verbatim", 2048].update(correct="1111110000" + rest, accuracy=3.0)
+    cell[mix, "verbatim", 2048].update(correct="1000001111" + rest, accuracy=2.5)
+    assert "| -0.5 (5/4) |" in row(render(tmp_path, monkeypatch, data), MIX, 2)
+    cell[mix, "verbatim", 2048].update(correct="0" * 200, accuracy=0.0)
+    assert "| -3.0 (6/0)* |" in row(render(tmp_path, monkeypatch, data), MIX, 2)
+    cell[mix, "verbatim", 2048].update(correct="0" * 199)
+    with pytest.raises(SystemExit, match="ran different prompts at verbatim 2048"):
+        render(tmp_path, monkeypatch, data)
+
+
+def drop_top1(sec):
+    del sec["fidelity"]["rows"][-1]["top1_agreement"]
+
+
+def drop_hash(sec):
+    del sec["engines"][-1]["codebook_sha256"]
+
+
+def drop_answers(sec):
+    del sec["retrieval"][-1]["correct"]
+
+
+def drop_calibration(sec):
+    del sec["engines"][-1]["calib_seq_len"]
+
+
+@pytest.mark.parametrize("damage", [drop_top1, drop_hash, drop_answers, drop_calibration])
+def test_a_missing_field_fails(tmp_path, monkeypatch, damage):
+    data = copy.deepcopy(RECORDED)
+    damage(data["models"]["SmolLM2-135M"])
+    with pytest.raises(KeyError):
+        render(tmp_path, monkeypatch, data)
+
+
+def test_a_missing_measurement_is_named(tmp_path, monkeypatch):
+    data = copy.deepcopy(RECORDED)
+    sec = data["models"]["SmolLM2-135M"]
+    sec["retrieval"] = [r for r in sec["retrieval"]
+                        if not (r["engine"].endswith("W=128") and r["task"] == "multikey" and r["length"] == 4096)]
+    with pytest.raises(SystemExit, match="'CUSTOM K4/V4 bits W=128' has no multikey at 4096"):
+        render(tmp_path, monkeypatch, data)
+    sec = data["models"]["SmolLM2-135M"] = copy.deepcopy(RECORDED["models"]["SmolLM2-135M"])
+    sec["fidelity"]["rows"] = [r for r in sec["fidelity"]["rows"]
+                               if not (r["engine"].endswith("W=128") and r["bucket"] == "2-4K")]
+    with pytest.raises(SystemExit, match="'CUSTOM K4/V4 bits W=128' has no fidelity in 2-4K"):
+        render(tmp_path, monkeypatch, data)
+
+
+def test_codebooks_trained_differently_are_refused(tmp_path, monkeypatch):
+    data = copy.deepcopy(RECORDED)
+    data["models"]["SmolLM2-135M"]["engines"][-1]["calib_tokens"] = 131072
+    with pytest.raises(SystemExit, match="differ in method, tokens or text"):
+        render(tmp_path, monkeypatch, data)
+
+
+def test_several_lengths_in_words():
+    assert calibration_words(None, [2048, 8192], True) == "2K- and 8K-token packed sequences"
+    assert calibration_words(65536, [2048, 4096, 8192], False) == "64K tokens in 2K-, 4K- and 8K-token sequences"
+    assert calibration_words(None, [1000, 8192], True) == "1,000- and 8K-token packed sequences"
+
+
+def test_results_md_shows_the_table_as_rendered():
+    text = (ROOT / "docs" / "results.md").read_text()
+    begin = text.index("<!-- table: long-calibration -->\n") + len("<!-- table: long-calibration -->\n")
+    assert text[begin : text.index("\n<!-- /table -->", begin)] == report.TABLES["long-calibration"]()

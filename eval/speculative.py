@@ -88,14 +88,10 @@ CASES = {
 # --- model folders (config.json only: served with dummy weights) -----------------------
 
 
-def mimo_config(**changes) -> dict:
-    """MiMo-7B's config with ``changes`` (a smaller shape for tests)."""
-    return dict(MIMO_7B, **changes)
-
-
-def target_config(case: str, layers: int | None = None) -> dict:
-    """The case's target config, cut to ``layers`` layers where given."""
-    cfg = dict(CASES[case][1])
+def target_config(case: str, layers: int | None = None, **changes) -> dict:
+    """The case's target config, cut to ``layers`` layers where given, with ``changes`` (a
+    smaller shape for tests)."""
+    cfg = dict(CASES[case][1], **changes)
     if layers:
         cfg["num_hidden_layers"] = layers
     return cfg

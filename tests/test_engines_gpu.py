@@ -92,33 +92,19 @@ def test_window_store_smaller_than_max_num_seqs_caps_admission(tmp_path, monkeyp
 
 @pytest.mark.parametrize("window", [0, 32])
 def test_ngram_speculation_keeps_greedy_outputs(tmp_path, monkeypatch, window):
-    """Batch-invariant eager mode: greedy outputs with n-gram speculation (3 draft tokens,
-    verified as multi-token queries on the prefill path) are those without, and drafts
-    were accepted, so verification ran. Repetitive prompts give the n-grams to match."""
-    from vllm import LLM, SamplingParams
+    """Batch-invariant eager mode: greedy outputs of the tiny Llama-3-shaped target with
+    n-gram speculation (3 draft tokens, verified as multi-token queries on the prefill
+    path) are those without, and drafts were accepted, so verification ran. Prompts whose
+    last tokens repeat give the n-grams to match (test_speculative.ngram_prompts)."""
+    from test_speculative import ngram_prompts, tiny_target
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
-    model = tiny_model(tmp_path / "model", head_dim=64)
-    books = random_codebooks(str(tmp_path / "a.safetensors"), model, 32, seed=1)
-    prompts = [" ".join(["red green blue"] * 12), " ".join(["one two three four"] * 10),
-               "the quick brown fox " * 8]
-    common = dict(model=model, attention_backend="CUSTOM", enforce_eager=True,
-                  max_model_len=512, gpu_memory_utilization=0.15, max_num_seqs=8, seed=0,
-                  additional_config={"pq": {"codebooks": books, "window": window}})
-    sp = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
-    plain = LLM(**common)
-    want = [o.outputs[0].token_ids for o in plain.generate(prompts, sp, use_tqdm=False)]
-    del plain
-    settle()
-    spec = LLM(**common, disable_log_stats=False, speculative_config={
-        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
-        "prompt_lookup_max": 4})
-    got = [o.outputs[0].token_ids for o in spec.generate(prompts, sp, use_tqdm=False)]
-    assert got == want
-    accepted = [m.value for m in spec.get_metrics()
-                if m.name == "vllm:spec_decode_num_accepted_tokens"]
-    assert accepted and accepted[0] > 0
+    model, books = tiny_target(tmp_path / "model", "eagle3")
+    speculation_keeps_greedy_outputs(
+        spec_engine(model, books, window), ngram_prompts(), 96,
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
+         "prompt_lookup_max": 4}, "n-gram", accepted=True)
 
 
 def test_gpu_ngram_under_async_scheduling_is_refused_with_the_reason(tmp_path):
@@ -417,78 +403,87 @@ def test_qwen3_exact_window_matches_triton_attn_and_codes_serve(tmp_path, monkey
         assert len(set(o.token_ids)) > 1, o.token_ids
 
 
-# Speculative decoding with drafts that have attention layers: folders and configs as
-# eval/speculative.py writes them
+# Speculative decoding: the targets and configs eval/speculative.py uses, at two layers of
+# test_speculative.SMALL
 
 
-def speculation_keeps_greedy_outputs(common, prompts, sp, speculative_config, name):
+def spec_engine(model, books, window, **kw) -> dict:
+    """Engine settings of a speculation test's target on CUSTOM: dummy weights (drawn
+    again by speculation_keeps_greedy_outputs), token-id prompts."""
+    return dict(model=model, load_format="dummy", skip_tokenizer_init=True,
+                attention_backend="CUSTOM", enforce_eager=True, max_model_len=512,
+                gpu_memory_utilization=0.15, max_num_seqs=8, seed=0,
+                additional_config={"pq": {"codebooks": books, "window": window}}, **kw)
+
+
+def speculation_keeps_greedy_outputs(common, prompts, max_tokens, speculative_config, name,
+                                     accepted=False):
     """Greedy outputs of an engine with ``common`` settings and ``speculative_config`` are
-    those of one without, and the draft proposed tokens, so verification ran. A random
-    draft is rarely accepted: vLLM's counters are printed, the accepted count not bounded.
-    Dummy weights are drawn again (spec_eval.redraw_weights): vLLM's own make every output
-    one repeated token."""
+    those of one without, and the draft proposed tokens, so verification ran. Each
+    engine's target weights are drawn again (spec_eval.redraw_weights, a scale that suits
+    the model's width): vLLM's dummy weights make every output one repeated token, against
+    which any engine is "identical" and every n-gram draft accepted, so outputs of fewer
+    than spec_eval.MIN_DISTINCT distinct tokens fail the test
+    (test_speculative.test_redrawn_tiny_targets_give_varied_greedy_outputs checks the
+    drawn weights' outputs on the CPU). vLLM's counters are printed; with ``accepted``
+    some drafts must have been accepted (n-gram drafts copy the context, a random EAGLE
+    or MTP draft is rarely right)."""
     from test_speculative import spec_eval
-    from vllm import LLM
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
 
     def engine(**kw):
         llm = LLM(**common, **kw)
-        if common.get("load_format") == "dummy":
-            llm.apply_model(spec_eval.redraw_weights)
+        llm.apply_model(spec_eval.redraw_weights)
         return llm
 
+    requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, detokenize=False)
     plain = engine()
-    want = [o.outputs[0].token_ids for o in plain.generate(prompts, sp, use_tqdm=False)]
+    want = [o.outputs[0].token_ids for o in plain.generate(requests, sp, use_tqdm=False)]
     del plain
     settle()
+    print(f"{name}: distinct tokens per output {[len(set(t)) for t in want]} of {max_tokens}")
     assert min(len(set(t)) for t in want) >= spec_eval.MIN_DISTINCT, want  # not degenerate
     spec = engine(disable_log_stats=False, speculative_config=speculative_config)
-    got = [o.outputs[0].token_ids for o in spec.generate(prompts, sp, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in spec.generate(requests, sp, use_tqdm=False)]
     assert got == want
     names = [f"vllm:spec_decode_num_{n}" for n in ("drafts", "draft_tokens", "accepted_tokens")]
     metrics = {m.name: m.value for m in spec.get_metrics() if m.name in names}
     print(f"{name} on CUSTOM:", metrics)
     assert metrics.get("vllm:spec_decode_num_draft_tokens", 0) > 0
     assert "vllm:spec_decode_num_accepted_tokens" in metrics
+    if accepted:
+        assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0
 
 
 def test_eagle3_speculation_keeps_greedy_outputs(tmp_path, monkeypatch):
-    """Batch-invariant eager mode: greedy outputs with a one-layer EAGLE-3 draft of dummy
+    """Batch-invariant eager mode: greedy outputs of a tiny Llama-3-shaped target (two
+    layers, head_dim 64, random 4-bit codebooks) with a one-layer EAGLE-3 draft of dummy
     weights (3 tokens; its layer on FLASH_ATTN with dense KV next to the target's PQ
-    pages) are those without."""
-    from test_speculative import spec_eval
-    from vllm import SamplingParams
+    pages) are those without. Token-id prompts of 96-160 tokens, past the 32-token
+    window."""
+    from test_speculative import spec_eval, tiny_target
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
-    model = tiny_model(tmp_path / "model", head_dim=64)
-    books = random_codebooks(str(tmp_path / "a.safetensors"), model, 32, seed=1)
+    model, books = tiny_target(tmp_path / "model", "eagle3")
     draft = spec_eval.eagle3_draft(model, tmp_path / "draft")
-    common = dict(model=model, attention_backend="CUSTOM", enforce_eager=True,
-                  max_model_len=512, gpu_memory_utilization=0.15, max_num_seqs=8, seed=0,
-                  async_scheduling=False,
-                  additional_config={"pq": {"codebooks": books, "window": 32}})
-    sp = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
-    speculation_keeps_greedy_outputs(common, PROMPTS, sp,
+    speculation_keeps_greedy_outputs(spec_engine(model, books, 32, async_scheduling=False),
+                                     spec_eval.prompts(3, 512), 48,
                                      spec_eval.speculative_config("eagle3", 3, draft), "EAGLE-3")
 
 
 def test_mtp_speculation_keeps_greedy_outputs(tmp_path, monkeypatch):
     """Batch-invariant eager mode: greedy outputs of a tiny MiMo (two layers, head_dim 64,
-    dummy weights, random 4-bit codebooks) with its MTP layer drafting 3 tokens (on
-    FLASH_ATTN, dense KV next to the target's PQ pages) are those without. Token-id
-    prompts of 96-160 tokens, past the 32-token window."""
-    from test_speculative import spec_eval, tiny_mimo
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
+    random 4-bit codebooks) with its MTP layer drafting 3 tokens (on FLASH_ATTN, dense KV
+    next to the target's PQ pages) are those without. Token-id prompts of 96-160 tokens,
+    past the 32-token window."""
+    from test_speculative import spec_eval, tiny_target
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
-    model, books = tiny_mimo(tmp_path / "model")
-    prompts = [TokensPrompt(prompt_token_ids=p) for p in spec_eval.prompts(3, 512)]
-    common = dict(model=model, load_format="dummy", skip_tokenizer_init=True,
-                  attention_backend="CUSTOM", enforce_eager=True, max_model_len=512,
-                  gpu_memory_utilization=0.15, max_num_seqs=8, seed=0, async_scheduling=False,
-                  additional_config={"pq": {"codebooks": books, "window": 32}})
-    sp = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True, detokenize=False)
-    speculation_keeps_greedy_outputs(common, prompts, sp, spec_eval.speculative_config("mtp", 3),
-                                     "MTP")
+    model, books = tiny_target(tmp_path / "model", "mtp")
+    speculation_keeps_greedy_outputs(spec_engine(model, books, 32, async_scheduling=False),
+                                     spec_eval.prompts(3, 512), 48,
+                                     spec_eval.speculative_config("mtp", 3), "MTP")

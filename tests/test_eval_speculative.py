@@ -69,7 +69,11 @@ def test_folders_are_read_as_the_intended_architectures(case, tmp_path):
 def test_layers_cut_the_target():
     assert se.target_config("eagle3", 4)["num_hidden_layers"] == 4
     assert se.target_config("mtp")["num_hidden_layers"] == 36
+    small = se.target_config("mtp", 2, hidden_size=256)
+    assert (small["num_hidden_layers"], small["hidden_size"]) == (2, 256)
+    assert small["vocab_size"] == 151680
     assert se.CASES["mtp"][1]["num_hidden_layers"] == 36  # the shape itself is not changed
+    assert se.CASES["mtp"][1]["hidden_size"] == 4096
 
 
 def test_eagle3_reads_three_distinct_hidden_states_of_the_target():

@@ -5,7 +5,8 @@ an engine without speculation beside one with, on the same prompts, for each cas
     python eval/speculative.py --layers 4           # a fast run: 4 target layers each
     python eval/speculative.py --backends CUSTOM FLASH_ATTN
 
-Cases (dummy weights, ``load_format="dummy"``, so no checkpoint is needed):
+Cases (dummy weights, ``load_format="dummy"``, so no checkpoint is needed; the target's
+drawn again at a scale that suits its width, ``redraw_weights``):
 
   eagle3  a Llama-3-8B-shaped target (hidden 4096, 32 query / 8 KV heads, head_dim 128,
           32 layers) and a one-layer EAGLE-3 draft of its shape (``draft_load_config``
@@ -87,14 +88,10 @@ CASES = {
 # --- model folders (config.json only: served with dummy weights) -----------------------
 
 
-def mimo_config(**changes) -> dict:
-    """MiMo-7B's config with ``changes`` (a smaller shape for tests)."""
-    return dict(MIMO_7B, **changes)
-
-
-def target_config(case: str, layers: int | None = None) -> dict:
-    """The case's target config, cut to ``layers`` layers where given."""
-    cfg = dict(CASES[case][1])
+def target_config(case: str, layers: int | None = None, **changes) -> dict:
+    """The case's target config, cut to ``layers`` layers where given, with ``changes`` (a
+    smaller shape for tests)."""
+    cfg = dict(CASES[case][1], **changes)
     if layers:
         cfg["num_hidden_layers"] = layers
     return cfg
@@ -196,11 +193,19 @@ def kv_cache(llm) -> dict:
                        for name, s in core.model_executor.get_kv_cache_specs()[0].items()})
 
 
+WEIGHTS = ("load_format dummy, then the target's drawn again (redraw_weights): each matrix "
+           "N(0, 1/fan_in), fan_in its input width (std 0.016 at hidden 4096), norms 1, "
+           "biases 0; the draft's stay dummy")
+
+
 def redraw_weights(model) -> None:
     """The target's weights drawn again, for ``LLM.apply_model``: vLLM's dummy weights
     (uniform in +-1e-3) make every output one repeated token, against which any engine
-    is "identical". Each matrix N(0, 0.02) and each norm 1, from a generator seeded by the
-    parameter's name, so that engines with and without speculation hold the same model."""
+    is "identical". Each matrix N(0, 1/fan_in), fan_in its last dimension (the input width
+    of vLLM's linear, embedding and expert weights): activations keep their size at any
+    width, where one fixed deviation (0.02) leaves a model of hidden size 256 repeating
+    tokens. Norms 1, biases 0; each matrix from a generator seeded by the parameter's
+    name, so that engines with and without speculation hold the same model."""
     import zlib
 
     import torch
@@ -211,7 +216,7 @@ def redraw_weights(model) -> None:
                 p.fill_(1.0 if "norm" in name else 0.0)
                 continue
             g = torch.Generator(device=p.device).manual_seed(zlib.crc32(name.encode()))
-            p.copy_(torch.randn(p.shape, generator=g, device=p.device) * 0.02)
+            p.copy_(torch.randn(p.shape, generator=g, device=p.device) * p.shape[-1] ** -0.5)
 
 
 def measure(model: str, backend_kw: dict, spec: dict | None, ids: list[list[int]], args) -> dict:
@@ -413,8 +418,7 @@ def main(argv=None) -> int:
             rows += got
     meta = {k: cases[0]["codebooks"][k] for k in ("bits_k", "bits_v")}
     result = dict(provenance(), **meta,
-                  weights="load_format dummy, then the target's drawn again (redraw_weights): "
-                          "matrices N(0, 0.02), norms 1; the draft's stay dummy",
+                  weights=WEIGHTS,
                   mode="eager, VLLM_BATCH_INVARIANT=1, async scheduling off, "
                        "VLLM_ENABLE_V1_MULTIPROCESSING=0",
                   prompts=args.prompts, max_tokens=args.max_tokens,

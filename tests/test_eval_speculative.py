@@ -69,7 +69,11 @@ def test_folders_are_read_as_the_intended_architectures(case, tmp_path):
 def test_layers_cut_the_target():
     assert se.target_config("eagle3", 4)["num_hidden_layers"] == 4
     assert se.target_config("mtp")["num_hidden_layers"] == 36
+    small = se.target_config("mtp", 2, hidden_size=256)
+    assert (small["num_hidden_layers"], small["hidden_size"]) == (2, 256)
+    assert small["vocab_size"] == 151680
     assert se.CASES["mtp"][1]["num_hidden_layers"] == 36  # the shape itself is not changed
+    assert se.CASES["mtp"][1]["hidden_size"] == 4096
 
 
 def test_eagle3_reads_three_distinct_hidden_states_of_the_target():
@@ -203,7 +207,7 @@ def test_a_run_writes_its_result_and_report_tables_it(tmp_path, monkeypatch, cap
     data = json.loads(out.read_text())
     assert (data["device"], data["git_commit"], data["bits_k"], data["bits_v"]) == \
         ("NVIDIA H200", "abc", 4, 4)
-    assert data["pass"] is True and data["weights"].startswith("load_format dummy, then the target")
+    assert data["pass"] is True and data["weights"] == se.WEIGHTS
     assert "VLLM_BATCH_INVARIANT=1" in data["mode"] and "async scheduling off" in data["mode"]
     assert [c["case"] for c in data["cases"]] == ["EAGLE-3", "MTP"]
     assert [c["target"] for c in data["cases"]] == ["Llama-3-8B shape, 4 layers",
@@ -264,17 +268,21 @@ def test_arguments():
 
 def test_redraw_weights_is_the_same_model_every_time():
     """Two engines given the same dummy model hold the same weights after redraw_weights:
-    matrices N(0, 0.02) seeded by name, norms 1, biases 0."""
+    matrices N(0, 1/fan_in) seeded by name (fan_in: the last dimension, a layer's input
+    width), norms 1, biases 0."""
     class Block(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.qkv_proj = torch.nn.Linear(64, 192)
+            self.down_proj = torch.nn.Linear(256, 64)
             self.input_layernorm = torch.nn.LayerNorm(64)
 
     a, b = Block(), Block()
     for m in (a, b):
         se.redraw_weights(m)
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
-    assert abs(a.qkv_proj.weight.std().item() - 0.02) < 0.002
+    assert abs(a.qkv_proj.weight.std().item() - 64**-0.5) < 0.005
+    assert abs(a.down_proj.weight.std().item() - 256**-0.5) < 0.003
     assert torch.all(a.input_layernorm.weight == 1) and torch.all(a.qkv_proj.bias == 0)
     assert not torch.equal(a.qkv_proj.weight[:64], a.qkv_proj.weight[64:128])
+    assert "N(0, 1/fan_in)" in se.WEIGHTS  # what the results say of the weights

@@ -7,9 +7,11 @@ its config."""
 
 import json
 import os
+import random
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from vllm.config import SpeculativeConfig, set_current_vllm_config
@@ -27,19 +29,35 @@ import speculative as spec_eval  # noqa: E402
 FIX = '"attention_backend": "FLASH_ATTN"'
 
 
-def tiny_mimo(path) -> tuple[str, str]:
-    """(folder, codebook file): a MiMo of two layers, head_dim 64 (4 query / 2 KV heads),
-    and one MTP layer; config.json only (serve with load_format dummy) and random 4-bit
-    codebooks."""
-    cfg = spec_eval.mimo_config(hidden_size=256, intermediate_size=256, num_hidden_layers=2,
-                                num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
-                                max_position_embeddings=4096, bos_token_id=1, eos_token_id=2)
-    return spec_eval.write_target(str(path), cfg, bits=4)
+# the GPU engine tests' targets (tests/test_engines_gpu.py) at two layers of this shape:
+# head_dim 64 (4 query / 2 KV heads), hidden size 256, a 512-token vocabulary
+SMALL = dict(hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=64, vocab_size=512, max_position_embeddings=4096, bos_token_id=1,
+             eos_token_id=2)
+
+
+def tiny_target(path, case) -> tuple[str, str]:
+    """(folder, codebook file): eval/speculative.py's target for ``case`` (eagle3: Llama-3,
+    mtp: MiMo with its MTP layer) at two layers of SMALL; config.json only (serve with
+    load_format dummy, then spec_eval.redraw_weights) and random 4-bit codebooks."""
+    return spec_eval.write_target(str(path), spec_eval.target_config(case, 2, **SMALL), bits=4)
+
+
+def ngram_prompts(vocab: int = 512) -> list[list[int]]:
+    """Token-id prompts for n-gram speculation: random ids, each prompt's last 16, 20 or 24
+    repeated three more times, so that prompt lookup finds n-grams to draft from. Prompts
+    that repeat one short unit throughout make a random model repeat it too."""
+    rng = random.Random(0)
+    out = []
+    for body, unit in ((64, 16), (80, 20), (96, 24)):
+        ids = [rng.randrange(vocab // 2, vocab) for _ in range(body)]
+        out.append(ids + ids[-unit:] * 3)
+    return out
 
 
 @pytest.fixture(scope="module")
 def mimo(tmp_path_factory):
-    return tiny_mimo(tmp_path_factory.mktemp("mimo"))[0]
+    return tiny_target(tmp_path_factory.mktemp("mimo"), "mtp")[0]
 
 
 def draft_dir(target, tmp_path, arch):
@@ -170,3 +188,62 @@ def test_dense_draft_pages_share_the_targets_kv_cache_group(model_factory):
                   for off, stride in [(t.offset, t.block_stride)])
     assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:]))  # regions do not overlap
     assert ends[-1][1] <= 10 * per_block
+
+
+def greedy_tokens(model, ids: list[int], n: int) -> list[int]:
+    """``n`` greedy tokens after ``ids``, none stopped or masked (vLLM's ignore_eos)."""
+    out, past, x = [], None, torch.tensor([ids])
+    with torch.no_grad():
+        for _ in range(n):
+            step = model(x, past_key_values=past, use_cache=True)
+            past = step.past_key_values
+            out.append(int(step.logits[0, -1].argmax()))
+            x = torch.tensor([[out[-1]]])
+    return out
+
+
+def ngram_drafts(prompt: list[int], out: list[int], k=3, lo=2, hi=4) -> tuple[int, int]:
+    """(draft tokens, accepted tokens) of vLLM's n-gram prompt lookup (``k`` tokens after
+    the longest n-gram of ``lo`` to ``hi`` tokens that ends the context and occurred
+    before) while greedy decoding produces ``out``: each step verifies its drafts and
+    keeps the agreeing ones and one token more."""
+    from vllm.v1.spec_decode.ngram_proposer import (
+        _find_longest_matched_ngram_and_propose_tokens as propose,
+    )
+
+    done = drafted = accepted = 0
+    while done < len(out) - 1:
+        context = np.array(prompt + out[:done + 1], dtype=np.int32)
+        draft = propose(context, lo, hi, 10**6, k).tolist()[:len(out) - done - 1]
+        n = 0
+        while n < len(draft) and draft[n] == out[done + 1 + n]:
+            n += 1
+        drafted, accepted, done = drafted + len(draft), accepted + n, done + n + 1
+    return drafted, accepted
+
+
+@pytest.mark.parametrize("case", ["eagle3", "mtp", "ngram"])
+def test_redrawn_tiny_targets_give_varied_greedy_outputs(case, tmp_path):
+    """What the GPU speculation tests compare is worth comparing: transformers' model of
+    each tiny target (MiMo's as the Qwen2 it is, its MTP layer aside), its weights drawn
+    by spec_eval.redraw_weights (the law vLLM's engine gets; transformers names and splits
+    the matrices otherwise, so the numbers differ), greedy for those tests' prompts and
+    lengths: every output holds at least spec_eval.MIN_DISTINCT distinct tokens. For the
+    n-gram prompts, vLLM's prompt lookup run along the outputs drafts tokens of which
+    some are accepted."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    target = "eagle3" if case == "ngram" else case
+    folder, _ = tiny_target(tmp_path / "model", target)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder),
+                                             dtype=torch.float32).eval()
+    spec_eval.redraw_weights(model)
+    prompts, n = (ngram_prompts(), 96) if case == "ngram" else (spec_eval.prompts(3, 512), 48)
+    outs = [greedy_tokens(model, p, n) for p in prompts]
+    distinct = [len(set(o)) for o in outs]
+    print(f"{case}: distinct tokens per output {distinct} of {n}")
+    assert min(distinct) >= spec_eval.MIN_DISTINCT, outs
+    if case == "ngram":
+        counts = [ngram_drafts(p, o) for p, o in zip(prompts, outs)]
+        print(f"n-gram drafts (drafted, accepted) per prompt: {counts}")
+        assert sum(a for _, a in counts) > 0, counts

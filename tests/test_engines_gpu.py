@@ -1,5 +1,8 @@
-"""Whole vLLM engines on a tiny random Llama (head_dim 64) with random codebooks: two
-engines with different M and window alive in one process stay independent. Needs a GPU."""
+"""Whole vLLM engines with CUSTOM on a GPU: engines side by side, the window store's rows,
+CUDA graphs, CPU offload, gpt-oss's and Qwen3's attention, speculative decoding. Most run the
+speculation tests' tiny Llama-3-shaped target (test_speculative.tiny_target: two layers,
+head_dim 64) with its weights drawn again (spec_eval.redraw_weights) so that greedy outputs
+vary, and random codebooks. Needs a GPU."""
 
 
 import gc
@@ -16,9 +19,12 @@ import torch
 
 from helpers import random_codebooks
 from test_calibrate import tiny_model
+from test_speculative import spec_eval, tiny_target
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 PROMPTS = ["the quick brown fox", "vllm serves tokens while a lazy dog", "over the lazy"]
+IDS = spec_eval.prompts(3, 512)  # token-id prompts of 96-160 tokens for the tiny target
+MAX_TOKENS = 48
 
 
 def settle():
@@ -35,26 +41,37 @@ def _settled():
     settle()
 
 
-def engine(model, books, window, eager=True):
+def engine(model, books, window, eager=True, pq=None, **kw):
+    """An engine on the tiny target (load_format dummy), its weights drawn again in place
+    (CUDA graphs captured before keep their addresses)."""
     from vllm import LLM
 
-    return LLM(model=model, attention_backend="CUSTOM", enforce_eager=eager, max_model_len=512,
-               gpu_memory_utilization=0.15, max_num_seqs=8, seed=0,
-               additional_config={"pq": {"codebooks": books, "window": window}})
+    settings = dict(model=model, load_format="dummy", skip_tokenizer_init=True,
+                    attention_backend="CUSTOM", enforce_eager=eager, max_model_len=512,
+                    gpu_memory_utilization=0.15, max_num_seqs=8, seed=0,
+                    additional_config={"pq": {"codebooks": books, "window": window, **(pq or {})}})
+    llm = LLM(**{**settings, **kw})
+    llm.apply_model(spec_eval.redraw_weights)
+    return llm
 
 
-def greedy(llm):
+def greedy(llm, prompts=IDS, max_tokens=MAX_TOKENS, least=spec_eval.MIN_DISTINCT):
+    """Greedy token ids for token-id ``prompts``; each output must hold ``least`` distinct
+    tokens, or two engines could agree on a degenerate model."""
     from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
 
-    out = llm.generate(PROMPTS, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
-                       use_tqdm=False)
-    return [o.outputs[0].token_ids for o in out]
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, detokenize=False)
+    out = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+    ids = [list(o.outputs[0].token_ids) for o in out]
+    print(f"distinct tokens per output: {[len(set(t)) for t in ids]} of {max_tokens}")
+    assert min(len(set(t)) for t in ids) >= least, ids
+    return ids
 
 
 def test_two_engines_with_different_m_in_one_process(tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # both engines in this process
-    model = tiny_model(tmp_path / "model", head_dim=64)
-    a_books = random_codebooks(str(tmp_path / "a.safetensors"), model, 32, seed=1)  # 4 bits
+    model, a_books = tiny_target(tmp_path / "model", "eagle3")  # 4 bits
     b_books = random_codebooks(str(tmp_path / "b.safetensors"), model, 8, seed=2)  # 1 bit
     alone = {}
     for name, books, window in (("a", a_books, 128), ("b", b_books, 0)):
@@ -74,20 +91,13 @@ def test_window_store_smaller_than_max_num_seqs_caps_admission(tmp_path, monkeyp
     """window_memory leaves the store one row: the engine's scheduler admits one running
     request at a time (max_num_active_seqs), and the three prompts give what an engine with
     max_num_seqs=1 gives. Were a second request admitted, two would share a row."""
-    from vllm import LLM
-
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the scheduler in this process
-    model = tiny_model(tmp_path / "model", head_dim=64)
-    books = random_codebooks(str(tmp_path / "a.safetensors"), model, 32, seed=1)
-    common = dict(model=model, attention_backend="CUSTOM", enforce_eager=True, max_model_len=512,
-                  gpu_memory_utilization=0.15, seed=0)
-    one = LLM(max_num_seqs=1, additional_config={"pq": {"codebooks": books, "window": 128}},
-              **common)
+    model, books = tiny_target(tmp_path / "model", "eagle3")
+    one = engine(model, books, 128, max_num_seqs=1)
     want = greedy(one)
     del one
     settle()
-    capped = LLM(max_num_seqs=8, **common, additional_config={
-        "pq": {"codebooks": books, "window": 128, "window_memory": 1e-9}})
+    capped = engine(model, books, 128, pq={"window_memory": 1e-9})
     assert capped.llm_engine.engine_core.engine_core.scheduler.max_num_active_reqs == 1
     assert greedy(capped) == want
 
@@ -98,13 +108,13 @@ def test_ngram_speculation_keeps_greedy_outputs(tmp_path, monkeypatch, window):
     n-gram speculation (3 draft tokens, verified as multi-token queries on the prefill
     path) are those without, and drafts were accepted, so verification ran. Prompts whose
     last tokens repeat give the n-grams to match (test_speculative.ngram_prompts)."""
-    from test_speculative import ngram_prompts, tiny_target
+    from test_speculative import ngram_prompts
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
     model, books = tiny_target(tmp_path / "model", "eagle3")
     speculation_keeps_greedy_outputs(
-        spec_engine(model, books, window), ngram_prompts(), 96,
+        model, books, window, ngram_prompts(), 96,
         {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
          "prompt_lookup_max": 4}, "n-gram", accepted=True)
 
@@ -133,46 +143,44 @@ def test_gpu_ngram_under_async_scheduling_is_refused_with_the_reason(tmp_path):
 
 
 def test_window_rows_after_vllms_kernel_warm_up(tmp_path, monkeypatch):
-    """vLLM's start-up kernel warm-up (on unless enforce_eager, which every other test here
-    sets) runs max_num_seqs requests at once and frees them by name, leaving its request
-    slots shuffled. Requests served together must still get window rows of their own: a
-    prompt decodes the same alone and among others, four running at a time (four rows)."""
-    from vllm import LLM, SamplingParams
-
+    """vLLM's start-up kernel warm-up (on unless enforce_eager, which most other tests here
+    set) runs max_num_seqs requests at once and frees them by name, leaving its request
+    slots shuffled. Requests served together must still get window rows of their own: in
+    batch-invariant mode a prompt decodes the same alone and among others, four running at
+    a time (four rows)."""
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    model = tiny_model(tmp_path / "model", head_dim=64)
-    books = random_codebooks(str(tmp_path / "a.safetensors"), model, 32, seed=1)
-    llm = LLM(model=model, attention_backend="CUSTOM", max_model_len=512,
-              gpu_memory_utilization=0.15, max_num_seqs=64, max_num_active_seqs=4, seed=0,
-              compilation_config={"mode": 0, "cudagraph_mode": "NONE"},  # warm-up only
-              additional_config={"pq": {"codebooks": books, "window": 32}})
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    model, books = tiny_target(tmp_path / "model", "eagle3")
+    llm = engine(model, books, 32, eager=False, max_num_seqs=64, max_num_active_seqs=4,
+                 compilation_config={"mode": 0, "cudagraph_mode": "NONE"})  # warm-up only
     assert llm.llm_engine.vllm_config.kernel_config.enable_jit_warmup
-    sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    alone = [llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
-    others = [" ".join(["fox", "dog", "lazy", "quick"][i % 4] for i in range(n))
-              for n in range(3, 60, 4)]
-    out = llm.generate(others[:5] + PROMPTS + others[5:], sp, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in out[5:8]] == alone
+    alone = [greedy(llm, [p])[0] for p in IDS]
+    others = spec_eval.prompts(14, 512, seed=1)
+    out = greedy(llm, others[:5] + IDS + others[5:])
+    assert out[5:8] == alone
 
 
 def test_cuda_graph_engine_pads_steps_and_matches_eager(tmp_path, monkeypatch):
-    """vLLM's default compilation (CUDA graphs on) pads a step's token count to a captured
-    size, and the slot mapping with it (-1 past the step's tokens): three requests decode as
-    a batch of 4. Every other engine test here runs eager, where nothing is padded; this one
+    """With CUDA graphs, vLLM pads a decode step's token count to a captured size, and the
+    slot mapping with it (-1 past the step's tokens): three requests decode as a batch of
+    4. Every other engine test here runs without graphs, where nothing is padded; this one
     failed on the first padded step when forward handed the store the padded mapping.
-    Greedy outputs are those of an eager engine."""
+    Full decode graphs without torch.compile (CUSTOM takes no graphs in batch-invariant
+    mode): greedy outputs are those of an eager engine, whose decode steps run the same
+    kernels (prompts shorter than one codes split: plans.MIN_SPLIT_TOKENS)."""
     from vllm.config import CUDAGraphMode
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    model = tiny_model(tmp_path / "model", head_dim=64)
-    books = random_codebooks(str(tmp_path / "a.safetensors"), model, 32, seed=1)
+    model, books = tiny_target(tmp_path / "model", "eagle3")
     eager = engine(model, books, 32)
     want = greedy(eager)
     del eager
     settle()
-    llm = engine(model, books, 32, eager=False)
+    llm = engine(model, books, 32, eager=False,
+                 compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
+                                     "cudagraph_capture_sizes": [1, 2, 4, 8]})
     mode = llm.llm_engine.vllm_config.compilation_config.cudagraph_mode
-    assert mode != CUDAGraphMode.NONE
+    assert mode == CUDAGraphMode.FULL_DECODE_ONLY
     assert greedy(llm) == want
 
 
@@ -183,40 +191,33 @@ def test_simple_cpu_offload_matches_gpu_prefix_hits(tmp_path, monkeypatch):
     caching, after a GPU prefix-cache hit, and after its prefix was evicted from the GPU
     (two other 32K prompts through a 300-block cache) and loaded back from host memory:
     that run counts external hits of every block before the last token, and no local ones."""
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
     monkeypatch.setenv("VLLM_USE_SIMPLE_KV_OFFLOAD", "1")  # --kv-offloading-size picks it
     block, prefix, max_len = 128, 32768, 33024
-    model = tiny_model(tmp_path / "model", head_dim=64)
+    model, books = tiny_target(tmp_path / "model", "eagle3")
     cfg_path = os.path.join(model, "config.json")
     cfg = json.load(open(cfg_path))
     cfg["max_position_embeddings"] = max_len
     json.dump(cfg, open(cfg_path, "w"))
-    books = random_codebooks(str(tmp_path / "a.safetensors"), model, 32, seed=1)
-    g = torch.Generator().manual_seed(0)
+    rng = random.Random(0)
 
     def tokens(n):
-        return TokensPrompt(prompt_token_ids=torch.randint(3, 300, (n,), generator=g).tolist())
+        return [rng.randrange(256, 512) for _ in range(n)]
 
     prompts = {tail: tokens(prefix + tail) for tail in (0, 50)}
     fillers = [tokens(prefix) for _ in range(2)]
-    common = dict(model=model, attention_backend="CUSTOM", enforce_eager=True,
-                  max_model_len=max_len, gpu_memory_utilization=0.15, max_num_seqs=4, seed=0,
-                  block_size=block, additional_config={"pq": {"codebooks": books, "window": 128}})
-    sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    common = dict(max_model_len=max_len, max_num_seqs=4, block_size=block)
 
-    def run(llm, prompt):
-        return llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0].token_ids
+    def run(llm, prompt):  # 16 tokens of a 32K context: fewer distinct ones than usual
+        return greedy(llm, [prompt], 16, least=2)[0]
 
-    plain = LLM(**common, enable_prefix_caching=False)
+    plain = engine(model, books, 128, **common, enable_prefix_caching=False)
     want = {tail: run(plain, p) for tail, p in prompts.items()}
     del plain
     settle()
-    llm = LLM(**common, enable_prefix_caching=True, kv_offloading_size=1,
-              num_gpu_blocks_override=300, disable_log_stats=False)
+    llm = engine(model, books, 128, **common, enable_prefix_caching=True, kv_offloading_size=1,
+                 num_gpu_blocks_override=300, disable_log_stats=False)
     assert llm.llm_engine.vllm_config.kv_transfer_config.kv_connector == "SimpleCPUOffloadConnector"
 
     def hits():
@@ -499,47 +500,21 @@ def test_qwen3_exact_window_matches_triton_attn_and_codes_serve(tmp_path, monkey
 # test_speculative.SMALL
 
 
-def spec_engine(model, books, window, **kw) -> dict:
-    """Engine settings of a speculation test's target on CUSTOM: dummy weights (drawn
-    again by speculation_keeps_greedy_outputs), token-id prompts."""
-    return dict(model=model, load_format="dummy", skip_tokenizer_init=True,
-                attention_backend="CUSTOM", enforce_eager=True, max_model_len=512,
-                gpu_memory_utilization=0.15, max_num_seqs=8, seed=0,
-                additional_config={"pq": {"codebooks": books, "window": window}}, **kw)
-
-
-def speculation_keeps_greedy_outputs(common, prompts, max_tokens, speculative_config, name,
-                                     accepted=False):
-    """Greedy outputs of an engine with ``common`` settings and ``speculative_config`` are
-    those of one without, and the draft proposed tokens, so verification ran. Each
-    engine's target weights are drawn again (spec_eval.redraw_weights, a scale that suits
-    the model's width): vLLM's dummy weights make every output one repeated token, against
-    which any engine is "identical" and every n-gram draft accepted, so outputs of fewer
-    than spec_eval.MIN_DISTINCT distinct tokens fail the test
-    (test_speculative.test_redrawn_tiny_targets_give_varied_greedy_outputs checks the
-    drawn weights' outputs on the CPU). vLLM's counters are printed; with ``accepted``
-    some drafts must have been accepted (n-gram drafts copy the context, a random EAGLE
-    or MTP draft is rarely right)."""
-    from test_speculative import spec_eval
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    def engine(**kw):
-        llm = LLM(**common, **kw)
-        llm.apply_model(spec_eval.redraw_weights)
-        return llm
-
-    requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, detokenize=False)
-    plain = engine()
-    want = [o.outputs[0].token_ids for o in plain.generate(requests, sp, use_tqdm=False)]
+def speculation_keeps_greedy_outputs(model, books, window, prompts, max_tokens,
+                                     speculative_config, name, accepted=False, **kw):
+    """Greedy outputs of the tiny target on CUSTOM with ``speculative_config`` are those
+    without, and the draft proposed tokens, so verification ran. Outputs that degenerate
+    fail (greedy), against which any engine is "identical" and every n-gram draft accepted;
+    test_speculative.test_redrawn_tiny_targets_give_varied_greedy_outputs checks the drawn
+    weights' outputs on the CPU. vLLM's counters are printed; with ``accepted`` some drafts must have been accepted (n-gram drafts copy the
+    context, a random EAGLE or MTP draft is rarely right)."""
+    plain = engine(model, books, window, **kw)
+    want = greedy(plain, prompts, max_tokens)
     del plain
     settle()
-    print(f"{name}: distinct tokens per output {[len(set(t)) for t in want]} of {max_tokens}")
-    assert min(len(set(t)) for t in want) >= spec_eval.MIN_DISTINCT, want  # not degenerate
-    spec = engine(disable_log_stats=False, speculative_config=speculative_config)
-    got = [o.outputs[0].token_ids for o in spec.generate(requests, sp, use_tqdm=False)]
-    assert got == want
+    spec = engine(model, books, window, disable_log_stats=False,
+                  speculative_config=speculative_config, **kw)
+    assert greedy(spec, prompts, max_tokens) == want
     names = [f"vllm:spec_decode_num_{n}" for n in ("drafts", "draft_tokens", "accepted_tokens")]
     metrics = {m.name: m.value for m in spec.get_metrics() if m.name in names}
     print(f"{name} on CUSTOM:", metrics)
@@ -555,15 +530,13 @@ def test_eagle3_speculation_keeps_greedy_outputs(tmp_path, monkeypatch):
     weights (3 tokens; its layer on FLASH_ATTN with dense KV next to the target's PQ
     pages) are those without. Token-id prompts of 96-160 tokens, past the 32-token
     window."""
-    from test_speculative import spec_eval, tiny_target
-
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
     model, books = tiny_target(tmp_path / "model", "eagle3")
     draft = spec_eval.eagle3_draft(model, tmp_path / "draft")
-    speculation_keeps_greedy_outputs(spec_engine(model, books, 32, async_scheduling=False),
-                                     spec_eval.prompts(3, 512), 48,
-                                     spec_eval.speculative_config("eagle3", 3, draft), "EAGLE-3")
+    speculation_keeps_greedy_outputs(model, books, 32, IDS, MAX_TOKENS,
+                                     spec_eval.speculative_config("eagle3", 3, draft), "EAGLE-3",
+                                     async_scheduling=False)
 
 
 def test_mtp_speculation_keeps_greedy_outputs(tmp_path, monkeypatch):
@@ -571,11 +544,9 @@ def test_mtp_speculation_keeps_greedy_outputs(tmp_path, monkeypatch):
     random 4-bit codebooks) with its MTP layer drafting 3 tokens (on FLASH_ATTN, dense KV
     next to the target's PQ pages) are those without. Token-id prompts of 96-160 tokens,
     past the 32-token window."""
-    from test_speculative import spec_eval, tiny_target
-
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
     model, books = tiny_target(tmp_path / "model", "mtp")
-    speculation_keeps_greedy_outputs(spec_engine(model, books, 32, async_scheduling=False),
-                                     spec_eval.prompts(3, 512), 48,
-                                     spec_eval.speculative_config("mtp", 3), "MTP")
+    speculation_keeps_greedy_outputs(model, books, 32, IDS, MAX_TOKENS,
+                                     spec_eval.speculative_config("mtp", 3), "MTP",
+                                     async_scheduling=False)

@@ -129,6 +129,14 @@ class EngineConfig:
         sizes = self._compilation.cudagraph_capture_sizes or []
         return max([self._scheduler.max_num_seqs, *sizes])
 
+    def window_store_shape(self, num_kv_heads: int, dtype: torch.dtype,
+                           device) -> tuple[int, int, int, int]:
+        """One layer's window store of K (and of V): ``window_halves`` rows
+        (layout.window_row) for each running request (``window_rows``) and for the
+        scratch row."""
+        rows = self.window_rows(num_kv_heads, dtype, device) + 1
+        return (rows * self.window_halves, num_kv_heads, self.window, self.head_size)
+
     def window_bytes_per_seq(self, num_kv_heads: int, dtype: torch.dtype) -> int:
         """Window store bytes of one running sequence, all layers."""
         esz = torch.tensor([], dtype=dtype).element_size()

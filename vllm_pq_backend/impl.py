@@ -65,8 +65,7 @@ class LayerState:
         self.sinks = impl.sinks
         self.win_k = self.win_v = None
         if self.window > 0:
-            rows = cfg.window_rows(impl.num_kv_heads, dtype, device) + 1  # + the scratch row
-            shape = (rows * cfg.window_halves, impl.num_kv_heads, self.window, impl.head_size)
+            shape = cfg.window_store_shape(impl.num_kv_heads, dtype, device)
             self.win_k = torch.zeros(shape, dtype=dtype, device=device)
             self.win_v = torch.zeros(shape, dtype=dtype, device=device)
         self.d = impl.head_size
@@ -331,7 +330,7 @@ def _log_memory(impl: PQAttentionImpl, st: LayerState) -> None:
     books = (2 * st.k_cb32.numel() * (4 + esz) + st.k_grid.numel() + st.v_grid.numel()
              + st.books.numel()) * layers
     if st.window > 0:
-        rows = st.win_k.shape[0] // cfg.window_halves - 1
+        rows = cfg.scratch_row  # the running requests' rows; the scratch row is past them
         win_seq = cfg.window_bytes_per_seq(impl.num_kv_heads, st.k_cb.dtype)
         window = (
             f"Window: {win_seq / 2**20:.2f} MiB per running sequence, "

@@ -5,7 +5,8 @@ random block tables, GQA, head_dim 64 and 128."""
 import pytest
 import torch
 
-from helpers import Sim, hf_config, use_gpu_paths, vllm_config, write_model_config
+from helpers import (INTERPRETED, Sim, hf_config, use_gpu_paths, vllm_config,
+                     write_model_config)
 
 # cpu: the PyTorch reference path in float32, differences are rounding only.
 # cuda: the CUDA store/decode kernels and FlashAttention prefill in bfloat16.
@@ -367,7 +368,8 @@ def _run_speculative_steps(sim):
             sim.reject(0, n - accepted, seed=100 + i)
 
 
-@pytest.mark.parametrize("path", ["fallback", "segments", "codes"])
+@pytest.mark.parametrize("path", ["fallback", "segments",
+                                  pytest.param("codes", marks=INTERPRETED)])
 def test_rejected_drafts_across_a_window_boundary(model_factory, monkeypatch, path):
     """Speculative decoding (3 draft tokens): verification steps cross into the next window
     segment and their drafts there are rejected, so the next step (a verification or a

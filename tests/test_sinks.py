@@ -17,7 +17,7 @@ vLLM's kwargs, so that one layer can be run with and without them.
 import pytest
 import torch
 
-from helpers import Sim, use_gpu_paths, vllm_config
+from helpers import INTERPRETED, Sim, use_gpu_paths, vllm_config
 from test_golden_steps import SCENARIOS
 
 from vllm_pq_backend import reference
@@ -209,8 +209,6 @@ def test_partials_merged_then_sink_once(model_factory):
 PATHS = {name: s for name, s in SCENARIOS.items() if s[0] != "cpu"}
 ON_GPU = pytest.mark.skipif(not torch.cuda.is_available(),
                             reason="needs a CUDA GPU (run on the GPU machine)")
-INTERPRETED = pytest.mark.skipif(torch.cuda.is_available(),
-                                 reason="Triton's interpreter: machines without a GPU")
 
 
 def schedule(sim, long=0):

@@ -145,8 +145,10 @@ CHECKS = {
     "other bit rates (K 2 / V 4 bits, ...)": [dict(books=(16, 32)), dict(books=(64, 64))],
     "sliding-window layers (Gemma 3, Mistral)": [dict(layer={"sliding_window": w})
                                                  for w in (144, 512, 4096)],
-    "a sliding window no larger than the residual window": [dict(layer={"sliding_window": w})
-                                                            for w in (64, 128)],
+    "a sliding window no larger than the default residual window (128)": [
+        dict(layer={"sliding_window": w}) for w in (64, 128)],
+    "a `window` not below the model's sliding window": [
+        dict(layer={"sliding_window": w}, pq={"window": 128}) for w in (64, 128)],
     "prefix caching": [dict(engine={"cache_config.enable_prefix_caching": True})],
     "chunked prefill": [dict(engine={"scheduler_config.enable_chunked_prefill": True,
                                      "scheduler_config.max_num_batched_tokens": 64})],
@@ -231,6 +233,8 @@ def start(model_factory, tmp_path, monkeypatch):
             pq["codebooks"] = random_codebooks(str(tmp_path / f"m{m}_v{m_v}.safetensors"), model,
                                                m, m_v=m_v)
         vc = vllm_config(model, block_size=select["block_size"] or 128, pq=pq)
+        if layer.get("sliding_window"):  # the model's, as its config.json would say
+            vc.model_config.hf_text_config.sliding_window = layer["sliding_window"]
         for path, value in setting.get("engine", {}).items():
             owner, _, attr = path.rpartition(".")
             object.__setattr__(operator.attrgetter(owner)(vc) if owner else vc, attr, value)
@@ -292,7 +296,8 @@ def test_every_refusal_the_code_gives_has_a_row(start):
     settings = [dict(select={f: v}) for f, kind in fields
                 for v in ([True] if kind is bool else values[f])]  # a new field: add its values
     settings += [dict(layer=x) for x in (ALIBI, SOFT_CAP, KV_SHARING)]
-    settings += [dict(layer={"sliding_window": w}) for w in (16, 64, 128, 144, 4096)]
+    settings += [dict(layer={"sliding_window": w}, pq=p) for w in (16, 64, 128, 144, 4096)
+                 for p in ({}, {"window": 128})]
     settings += [dict(engine=speculation(m, a, b)) for m in METHODS for a in (False, True)
                  for b in (None, "CUSTOM", "FLASH_ATTN")]
     settings += [dict(engine=speculation("mtp", False, "FLASH_ATTN", "gemma4_mtp"))]

@@ -563,9 +563,9 @@ def faults() -> str:
         f"kill: {k['criteria']}; no fit: {n['criteria']}. " + source("faults.json")])
 
 
+@table("speculative")
 def speculative() -> str:
-    """Each case's engines without and with speculation (eval/speculative.py, a GPU run).
-    Not registered with @table while eval/results/speculative.json is not recorded."""
+    """Each case's engines without and with speculation (eval/speculative.py, a GPU run)."""
     data = load("speculative.json")
     body = []
     for r in data["rows"]:
@@ -575,7 +575,8 @@ def speculative() -> str:
         tpot = f"{r['tpot_ms_median']:.1f}" + (f" ({ratio(r['tpot_vs_without'])})" if spec else "")
         body.append([r["case"], r["backend"], r["speculation"],
                      f"{r['identical_prompts']} of {r['prompts']}" if spec else
-                     f"reference (repeats itself: {r['repeats_itself']} of {r['prompts']})",
+                     f"reference (fewest distinct tokens in an output: "
+                     f"{r['distinct_output_tokens_min']} of {data['max_tokens']})",
                      *([f"{r[k]:,}" for k in ("drafts", "draft_tokens", "accepted_tokens")]
                        if spec else ["", "", ""]),
                      f"{r['kv_cache_tokens']:,}", per_token, size(r["gpu_memory_bytes"]), tpot])
@@ -589,7 +590,9 @@ def speculative() -> str:
         f"{data['prompts']} prompts of {min(lengths)}-{max(lengths)} tokens, "
         f"{data['max_tokens']} greedy tokens each, one batch, a warm-up generate before the "
         f"timed one; {data['mode']}, so the times are not those of serving with CUDA graphs. "
-        f"GPU memory utilization {data['gpu_memory_utilization']:g}, block "
+        + (f"KV cache {data['kv_cache_memory_bytes'] / 1e9:g} GB (--kv-cache-memory-bytes), "
+           if data.get("kv_cache_memory_bytes") else "")
+        + f"GPU memory utilization {data['gpu_memory_utilization']:g}, block "
         f"{data['block_size']}; {data['device']}, {day(data['date'])}. " + source("speculative.json")])
 
 

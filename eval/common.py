@@ -238,31 +238,32 @@ LLAMA3_8B = {
 }
 
 
-def write_model_dir(d: str, ms, maps: bool = False) -> str:
-    """config.json of Llama-3-8B's shape in ``d``, and random codebooks for CUSTOM with
-    each M of ``ms`` (speed does not depend on what the centroids are); serve it with
+def write_model_dir(d: str, ms, maps: bool = False, config: dict = LLAMA3_8B) -> str:
+    """``config`` (default Llama-3-8B's shape) as config.json in ``d``, and random codebooks
+    for CUSTOM with each M of ``ms`` (speed does not depend on what the centroids are); serve it with
     ``load_format="dummy"``. With ``maps`` the codebooks carry K and V maps, as
     ``calibrate`` writes them by default: random rotations, so that the query / key /
     value / output maps run as with calibrated codebooks while the store sees rows
     distributed as without maps (speed does not depend on the maps' values)."""
     import torch
-    from transformers import LlamaConfig
+    from transformers import AutoConfig
 
-    from vllm_pq_backend.codebooks import save_codebooks
+    from vllm_pq_backend.codebooks import head_dim_of, save_codebooks
     from vllm_pq_backend.config import default_codebook_path
 
     os.makedirs(d, exist_ok=True)
     with open(os.path.join(d, "config.json"), "w") as f:
-        json.dump(LLAMA3_8B, f)
-    cfg = LlamaConfig(**LLAMA3_8B)
+        json.dump(config, f)
+    cfg = AutoConfig.from_pretrained(d)  # as vLLM reads it, so the codebooks' fingerprint matches
+    head_dim = head_dim_of(cfg)
     g = torch.Generator().manual_seed(0)
     for m in ms:
-        shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, m, 256, cfg.head_dim // m)
+        shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, m, 256, head_dim // m)
         k, v = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
         rotations = {}
         if maps:
             for name in ("k_transform", "v_transform"):
-                rotations[name] = torch.linalg.qr(torch.randn(*shape[:2], cfg.head_dim, cfg.head_dim,
+                rotations[name] = torch.linalg.qr(torch.randn(*shape[:2], head_dim, head_dim,
                                                               generator=g))[0].contiguous()
         save_codebooks(default_codebook_path(d, m), k, v, cfg, {"model": "random (benchmark)"},
                        **rotations)

@@ -563,6 +563,39 @@ def faults() -> str:
         f"kill: {k['criteria']}; no fit: {n['criteria']}. " + source("faults.json")])
 
 
+@table("speculative")
+def speculative() -> str:
+    """Each case's engines without and with speculation (eval/speculative.py, a GPU run)."""
+    data = load("speculative.json")
+    body = []
+    for r in data["rows"]:
+        spec = r["speculation"] != "none"
+        per_token = f"{r['target_bytes_per_token']:,.0f}" + (
+            f" + {r['draft_bytes_per_token']:,.0f}" if r["draft_bytes_per_token"] else "")
+        tpot = f"{r['tpot_ms_median']:.1f}" + (f" ({ratio(r['tpot_vs_without'])})" if spec else "")
+        body.append([r["case"], r["backend"], r["speculation"],
+                     f"{r['identical_prompts']} of {r['prompts']}" if spec else
+                     f"reference (fewest distinct tokens in an output: "
+                     f"{r['distinct_output_tokens_min']} of {data['max_tokens']})",
+                     *([f"{r[k]:,}" for k in ("drafts", "draft_tokens", "accepted_tokens")]
+                       if spec else ["", "", ""]),
+                     f"{r['kv_cache_tokens']:,}", per_token, size(r["gpu_memory_bytes"]), tpot])
+    targets = "; ".join(f"{c['case']}: {c['target']}, {c['draft']}" for c in data["cases"])
+    lengths = [n for c in data["cases"] for n in c["prompt_tokens"]]
+    return "\n".join([
+        md(["case", "target KV cache", "speculation", "greedy outputs identical", "drafts",
+            "draft tokens", "accepted", "KV cache (tokens)", "bytes per token (target + draft)",
+            "GPU memory held", "time per output token (ms)"], body), "",
+        f"{targets}; weights drawn at random (dummy, drawn again), CUSTOM with random {data['bits_k']}-bit codebooks. "
+        f"{data['prompts']} prompts of {min(lengths)}-{max(lengths)} tokens, "
+        f"{data['max_tokens']} greedy tokens each, one batch, a warm-up generate before the "
+        f"timed one; {data['mode']}, so the times are not those of serving with CUDA graphs. "
+        + (f"KV cache {data['kv_cache_memory_bytes'] / 1e9:g} GB (--kv-cache-memory-bytes), "
+           if data.get("kv_cache_memory_bytes") else "")
+        + f"GPU memory utilization {data['gpu_memory_utilization']:g}, block "
+        f"{data['block_size']}; {data['device']}, {day(data['date'])}. " + source("speculative.json")])
+
+
 @table("soak")
 def soak() -> str:
     data = load("soak.json")

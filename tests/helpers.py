@@ -7,6 +7,7 @@ import os
 import types
 
 import numpy as np
+import pytest
 import torch
 
 from vllm_pq_backend import codebooks
@@ -63,6 +64,18 @@ def random_codebooks(path, model_dir, m, seed=0, transforms=False, m_v=None):
             maps[name] = q * scales
     codebooks.save_codebooks(path, k, v, cfg, {"model": model_dir}, **maps)
     return path
+
+
+def check_refusal(reason: str | None, words) -> None:
+    """A start-up check's answer: None (served) where ``words`` is None, else one line
+    holding every one of ``words``."""
+    if words is None:
+        assert reason is None, reason
+        return
+    assert reason is not None
+    assert "\n" not in reason  # one line
+    missing = [w for w in words if w not in reason]
+    assert not missing, (missing, reason)
 
 
 def vllm_config(model_dir, *, block_size, pq, max_num_seqs=16, max_model_len=2048):
@@ -209,6 +222,17 @@ class Sim:
         self.free_blocks = r.blocks[keep_blocks:] + self.free_blocks
         return r.blocks[:keep_blocks]
 
+    def reject(self, rid, n, seed):
+        """Speculative decoding's rejected drafts: the request's last ``n`` tokens are
+        dropped, and the tokens that take their positions are new rows (from ``seed``)."""
+        r = self.reqs[rid]
+        keep = r.length - n
+        for rows in (r.q, r.k, r.v):
+            rows[:] = [torch.cat(rows)[:keep]]
+        g = torch.Generator().manual_seed(seed)
+        for s in r.source:
+            s[keep : keep + n] = torch.randn(s[keep : keep + n].shape, generator=g).to(s)
+
     def step(self, work: list[tuple[int, int]], rows_for=None, pad=0):
         """``work``: (rid, new tokens). Returns {rid: output [n, Hq, d]}. ``pad``: rows of
         junk after the step's tokens, their slots -1, as vLLM pads a step to a CUDA-graph
@@ -292,6 +316,12 @@ class Sim:
             s = torch.einsum("hd,khd->hk", q[i], kk) * self.d**-0.5
             outs.append(torch.einsum("hk,khd->hd", s.softmax(-1), vv))
         return torch.stack(outs)
+
+
+# The codes kernel runs on CPU tensors only in Triton's interpreter, which conftest.py
+# turns on where no GPU is visible; on a GPU machine the kernel tests run it compiled.
+INTERPRETED = pytest.mark.skipif(torch.cuda.is_available(),
+                                 reason="Triton's interpreter: machines without a GPU")
 
 
 def use_gpu_paths(monkeypatch, sim, path):

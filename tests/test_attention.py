@@ -5,7 +5,8 @@ random block tables, GQA, head_dim 64 and 128."""
 import pytest
 import torch
 
-from helpers import Sim, hf_config, vllm_config, write_model_config
+from helpers import (INTERPRETED, Sim, hf_config, use_gpu_paths, vllm_config,
+                     write_model_config)
 
 # cpu: the PyTorch reference path in float32, differences are rounding only.
 # cuda: the CUDA store/decode kernels and FlashAttention prefill in bfloat16.
@@ -339,3 +340,80 @@ def _prefill_plan_steps(sim, window, codes):
         b.q, b.k, b.v = ([torch.cat(x)[: 2 * sim.B]] for x in (a.q, a.k, a.v))
     check(sim, sim.step([(0, 1), (3, 40), (4, 9)]), window)
     assert steps and all(steps)
+
+
+# (tokens, accepted) per verification step: crossing segment starts (W=32) with drafts
+# past them rejected, a decode right after a rejection, a step that starts on a boundary
+SPEC_STEPS = [(30, 30), (4, 1), (1, 1), (4, 2), (4, 4), (4, 1), (4, 4), (4, 3), (4, 1),
+              (4, 4), (4, 4), (4, 4), (4, 4), (4, 4), (4, 2), (1, 1), (4, 1), (4, 4)]
+
+
+def _speculative_sim(model_factory, device, dtype, draft_tokens):
+    import types
+
+    vc = vllm_config(model_factory(64, 4, 2), block_size=64, pq={"window": 32})
+    if draft_tokens:
+        spec = types.SimpleNamespace(method="ngram", num_speculative_tokens=draft_tokens,
+                                     uses_draft_kv_cache=lambda: False)
+        object.__setattr__(vc, "speculative_config", spec)
+        vc.scheduler_config.async_scheduling = False  # as vLLM resolves it for ngram
+    return Sim(vc, seed=13, dtype=dtype, device=device)
+
+
+def _run_speculative_steps(sim):
+    sim.add(0)
+    for i, (n, accepted) in enumerate(SPEC_STEPS):
+        check(sim, sim.step([(0, n)]), 32)
+        if accepted < n:
+            sim.reject(0, n - accepted, seed=100 + i)
+
+
+@pytest.mark.parametrize("path", ["fallback", "segments",
+                                  pytest.param("codes", marks=INTERPRETED)])
+def test_rejected_drafts_across_a_window_boundary(model_factory, monkeypatch, path):
+    """Speculative decoding (3 draft tokens): verification steps cross into the next window
+    segment and their drafts there are rejected, so the next step (a verification or a
+    decode) goes back before the boundary: every output equals the dense check of the
+    tokens the request holds at that step, read from the window store as they were
+    written, never as rejected drafts left them. On the CPU: the reference's path
+    ("fallback") and the GPU's prefill plans with PyTorch stand-ins (helpers.use_gpu_paths:
+    window segments, or the codes kernel in Triton's interpreter)."""
+    dtype = torch.float16 if path == "codes" else torch.float32
+    sim = _speculative_sim(model_factory, "cpu", dtype, draft_tokens=3)
+    sim.tol = 5e-3 if path == "codes" else TARGETS["cpu"][1]
+    assert sim.impl.state(sim.layer, torch.empty(0, dtype=dtype)).win_k.shape[0] == 2 * 17
+    if path != "fallback":
+        use_gpu_paths(monkeypatch, sim, path)
+    _run_speculative_steps(sim)
+
+
+def test_one_store_row_per_request_reads_rejected_drafts(model_factory):
+    """The control for the test above: with one store row per request (how the engine
+    runs without speculation), the same steps read keys that rejected drafts wrote."""
+    sim = _speculative_sim(model_factory, "cpu", torch.float32, draft_tokens=0)
+    sim.tol = TARGETS["cpu"][1]
+    with pytest.raises(AssertionError, match="relative error"):
+        _run_speculative_steps(sim)
+
+
+@ON_GPU
+def test_rejected_drafts_across_a_window_boundary_on_the_kernels(model_factory):
+    """The same steps on the CUDA kernels (the decode kernel writes and reads the store row
+    of its position's segment) and FlashAttention prefill."""
+    sim = _speculative_sim(model_factory, "cuda", TARGETS["cuda"][0], draft_tokens=3)
+    sim.tol = TARGETS["cuda"][1]
+    _run_speculative_steps(sim)
+
+
+def test_a_window_no_longer_than_the_drafts_is_refused(model_factory):
+    """A verification step of more than W tokens could span three window segments, two of
+    them in one store row: refused with the numbers."""
+    import types
+
+    from vllm_pq_backend.engine_config import EngineConfig
+
+    vc = vllm_config(model_factory(64, 4, 2), block_size=64, pq={"window": 32})
+    object.__setattr__(vc, "speculative_config",
+                       types.SimpleNamespace(method="ngram", num_speculative_tokens=32))
+    with pytest.raises(ValueError, match="pq window 32 must exceed the 32 speculative tokens"):
+        EngineConfig.of(vc).window

@@ -9,7 +9,7 @@ import torch
 
 from helpers import RequestTable, Runner, random_codebooks, vllm_config, write_model_config
 from vllm_pq_backend import codebooks
-from vllm_pq_backend.config import PQConfig
+from vllm_pq_backend.config import PQConfig, default_codebook_path
 
 GOOD = dict(
     head_size=128, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=None,
@@ -48,13 +48,13 @@ def test_validate_accepts_supported():
                 assert PQAttentionBackend.validate_configuration(**kw) == []
     # which KV connectors serve is decided per engine (impl.connector_refusal)
     assert PQAttentionBackend.validate_configuration(**dict(GOOD, use_kv_connector=True)) == []
+    assert PQAttentionBackend.validate_configuration(**dict(GOOD, has_sink=True)) == []
 
 
 @pytest.mark.parametrize(
     "change,needle",
     [
         (dict(use_mla=True), "MLA"),
-        (dict(has_sink=True), "sinks"),
         (dict(attn_type="encoder_only"), "decoder self-attention"),
         (dict(attn_type="encoder_decoder"), "decoder self-attention"),
         (dict(head_size=96), "head sizes"),
@@ -497,8 +497,9 @@ def test_segment_plan_makes_each_segment_a_request():
 @pytest.mark.parametrize("method,draft_kv", [("ngram", False), ("suffix", False),
                                              ("eagle", True), ("draft_model", True)])
 def test_speculative_decoding_without_draft_attention_only(model_factory, method, draft_kv):
-    """Drafts that need no KV cache (n-gram, suffix, ...) are served; draft models with
-    attention layers, which would need codebooks of their own, are refused at start-up."""
+    """Drafts that need no KV cache (n-gram, suffix, ...) are served; drafts with attention
+    layers on CUSTOM, which would need codebooks of their own, are refused at start-up
+    (tests/test_speculative.py: the drafts served on another backend)."""
     import types
 
     from vllm.config import set_current_vllm_config
@@ -506,14 +507,15 @@ def test_speculative_decoding_without_draft_attention_only(model_factory, method
     from vllm_pq_backend.impl import PQAttentionImpl
 
     vc = vllm_config(model_factory(64, 4, 2), block_size=64, pq={})
-    spec = types.SimpleNamespace(method=method, uses_draft_kv_cache=lambda: draft_kv)
+    spec = types.SimpleNamespace(method=method, uses_draft_kv_cache=lambda: draft_kv,
+                                 use_gemma4_mtp=lambda: False, attention_backend=None)
     object.__setattr__(vc, "speculative_config", spec)
     # as vLLM resolves it for these methods (VllmConfig: async scheduling only with EAGLE,
     # MTP, draft models and ngram_gpu); the async case is the next test's
     vc.scheduler_config.async_scheduling = False
     with set_current_vllm_config(vc):
         if draft_kv:
-            with pytest.raises(NotImplementedError, match=f"not '{method}'"):
+            with pytest.raises(NotImplementedError, match=f"method '{method}'"):
                 PQAttentionImpl(4, 64, 0.125, 2)
         else:
             assert PQAttentionImpl(4, 64, 0.125, 2).num_kv_heads == 2
@@ -728,3 +730,26 @@ def test_upload_sends_every_array_whole_and_aligned():
     base = sent[0].data_ptr()
     assert all((t.data_ptr() - base) % 16 == 0 for t in sent if t.numel())
     assert upload([], "cpu") == []
+
+
+def test_default_window_stays_below_the_sliding_window(tmp_path):
+    """The residual window must sit inside a sliding layer's window: unset, it is halved
+    until it does (gpt-oss's 128-token sliding layers get 64); calibration assumes the
+    same (test_calibrate_a_model_with_attention_sinks)."""
+    import json
+
+    from vllm_pq_backend.config import default_window
+    from vllm_pq_backend.engine_config import EngineConfig
+
+    assert [default_window(128), default_window(64), default_window(128, 4096),
+            default_window(128, 512), default_window(128, 128), default_window(64, 64),
+            default_window(128, 16)] == [128, 64, 128, 128, 64, 32, 0]
+    model = write_model_config(str(tmp_path / "m"))
+    with open(os.path.join(model, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["sliding_window"] = 128
+    with open(os.path.join(model, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    random_codebooks(default_codebook_path(model, 32), model, 32)
+    assert EngineConfig.of(vllm_config(model, block_size=128, pq={})).window == 64
+    assert EngineConfig.of(vllm_config(model, block_size=128, pq={"window": 32})).window == 32

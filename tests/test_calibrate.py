@@ -101,6 +101,8 @@ def test_calibrate_a_model_with_attention_sinks(tmp_path):
         k, v = f.get_tensor("k_centroids"), f.get_tensor("v_centroids")
     assert k.shape == v.shape == (2, 8, 32, 256, 2)  # 4 bits per element at head_dim 64
     assert torch.isfinite(k).all() and torch.isfinite(v).all()
+    # the window serving picks below its 128-token sliding window (config.default_window)
+    assert int(codebooks.calibration_of(info)["window"]) == 64
 
 
 def test_calibrate_defaults_to_packed_sequences_of_the_models_context(tmp_path):

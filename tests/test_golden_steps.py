@@ -28,7 +28,7 @@ import platform
 import pytest
 import torch
 
-from helpers import Sim, use_gpu_paths, vllm_config
+from helpers import INTERPRETED, Sim, use_gpu_paths, vllm_config
 
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden_steps.json")
 RECORD = os.environ.get("PQ_RECORD_GOLDEN") == "1"
@@ -127,11 +127,6 @@ def golden():
         yield json.load(f)
 
 
-# The codes kernel runs on CPU tensors only in Triton's interpreter, which conftest.py
-# turns on where no GPU is visible; on a GPU machine test_attention and
-# test_codes_attention run it compiled.
-INTERPRETED = pytest.mark.skipif(torch.cuda.is_available(),
-                                 reason="Triton's interpreter: machines without a GPU")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=INTERPRETED) if SCENARIOS[n][0] == "codes"

@@ -10,14 +10,14 @@ vLLM's Triton attention (the codes kernel in Triton's interpreter), and on a GPU
 real kernels. Every check also proves itself able to see the sink counted twice (as it
 would be if each of two merged partial results counted it).
 
-Start-up refuses sinks (impl.SERVES_SINKS), so the tests give the impl its ``sinks`` after
-construction, as its constructor would from vLLM's kwargs.
+The tests give the impl its ``sinks`` after construction, as its constructor does from
+vLLM's kwargs, so that one layer can be run with and without them.
 """
 
 import pytest
 import torch
 
-from helpers import Sim, use_gpu_paths, vllm_config
+from helpers import INTERPRETED, Sim, use_gpu_paths, vllm_config
 from test_golden_steps import SCENARIOS
 
 from vllm_pq_backend import reference
@@ -209,8 +209,6 @@ def test_partials_merged_then_sink_once(model_factory):
 PATHS = {name: s for name, s in SCENARIOS.items() if s[0] != "cpu"}
 ON_GPU = pytest.mark.skipif(not torch.cuda.is_available(),
                             reason="needs a CUDA GPU (run on the GPU machine)")
-INTERPRETED = pytest.mark.skipif(torch.cuda.is_available(),
-                                 reason="Triton's interpreter: machines without a GPU")
 
 
 def schedule(sim, long=0):

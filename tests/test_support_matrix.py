@@ -29,6 +29,7 @@ from vllm.config.cache import CacheDType
 from vllm.config.speculative import MTPModelTypes, SpeculativeMethod
 from vllm.platforms.interface import DeviceCapability
 from vllm.v1.attention.backend import AttentionType
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.attention.selector import AttentionSelectorConfig
 
 from helpers import random_codebooks, vllm_config
@@ -50,6 +51,7 @@ CACHE_DTYPES = flat(CacheDType)
 # vLLM renames every *_mtp method to "mtp" before anything reads it
 METHODS = [m for m in flat(SpeculativeMethod) if m == "mtp" or m not in get_args(MTPModelTypes)]
 NO_DRAFT_KV = ["ngram", "suffix", "medusa", "mlp_speculator", "custom_class", "ngram_gpu"]
+DENSE_DRAFT = list(impl_module.DENSE_DRAFT_METHODS)
 CAPS = [DeviceCapability(major, minor) for major in range(7, 13) for minor in range(10)]
 ALIBI = {"alibi_slopes": [0.5, 0.25, 0.125, 0.0625]}
 SOFT_CAP = {"logits_soft_cap": 50.0}
@@ -77,9 +79,16 @@ def selector(**change) -> dict:
     return dict(base, device_capability=None, **change)
 
 
-def speculation(method: str, async_scheduling: bool = False) -> dict:
-    spec = SpeculativeConfig.__new__(SpeculativeConfig)  # vLLM's reading of the method alone
+def speculation(method: str, async_scheduling: bool = False, draft_backend=None,
+                draft_type=None) -> dict:
+    """A speculative config as vLLM reads it here: the method, the draft layers' backend
+    (--speculative-config's attention_backend) and the draft's model type."""
+    spec = SpeculativeConfig.__new__(SpeculativeConfig)
     object.__setattr__(spec, "method", method)
+    object.__setattr__(spec, "attention_backend",
+                       None if draft_backend is None else AttentionBackendEnum[draft_backend])
+    object.__setattr__(spec, "draft_model_config", None if draft_type is None else
+                       types.SimpleNamespace(hf_config=types.SimpleNamespace(model_type=draft_type)))
     return {"speculative_config": spec, "scheduler_config.async_scheduling": async_scheduling}
 
 
@@ -136,8 +145,10 @@ CHECKS = {
     "other bit rates (K 2 / V 4 bits, ...)": [dict(books=(16, 32)), dict(books=(64, 64))],
     "sliding-window layers (Gemma 3, Mistral)": [dict(layer={"sliding_window": w})
                                                  for w in (144, 512, 4096)],
-    "a sliding window no larger than the residual window": [dict(layer={"sliding_window": w})
-                                                            for w in (64, 128)],
+    "a sliding window no larger than the default residual window (128)": [
+        dict(layer={"sliding_window": w}) for w in (64, 128)],
+    "a `window` not below the model's sliding window": [
+        dict(layer={"sliding_window": w}, pq={"window": 128}) for w in (64, 128)],
     "prefix caching": [dict(engine={"cache_config.enable_prefix_caching": True})],
     "chunked prefill": [dict(engine={"scheduler_config.enable_chunked_prefill": True,
                                      "scheduler_config.max_num_batched_tokens": 64})],
@@ -151,9 +162,20 @@ CHECKS = {
     "other speculation whose drafts need no KV cache (`suffix`, `medusa`, `mlp_speculator`, "
     "`custom_class`; `ngram_gpu` with `--no-async-scheduling`)": [
         dict(engine=speculation(m)) for m in NO_DRAFT_KV[1:]],
-    "EAGLE, MTP and draft models (`eagle`, `eagle3`, `mtp`, `draft_model`, `dflash`, `dspark`, "
-    "`extract_hidden_states`)": [dict(engine=speculation(m, a)) for a in (False, True)
-                                 for m in METHODS if m not in NO_DRAFT_KV],
+    "EAGLE, EAGLE-3 and MTP (`eagle`, `eagle3`, `mtp`) with the draft layers on another "
+    "backend (`\"attention_backend\": \"FLASH_ATTN\"` in `--speculative-config`)": [
+        dict(engine=speculation(m, False, "FLASH_ATTN")) for m in DENSE_DRAFT],
+    "EAGLE, EAGLE-3 and MTP with the draft layers on CUSTOM (no `attention_backend`)": [
+        dict(engine=speculation(m, a, b)) for a in (False, True) for b in (None, "CUSTOM")
+        for m in DENSE_DRAFT],
+    "EAGLE, EAGLE-3 and MTP on models with sliding-window layers": [
+        dict(layer={"sliding_window": 4096}, engine=speculation(m, False, "FLASH_ATTN"))
+        for m in DENSE_DRAFT],
+    "Gemma 4 MTP": [dict(engine=speculation("mtp", False, "FLASH_ATTN", "gemma4_mtp"))],
+    "draft models and other drafters (`draft_model`, `dflash`, `dspark`, "
+    "`extract_hidden_states`)": [dict(engine=speculation(m, a, b)) for a in (False, True)
+                                 for b in (None, "FLASH_ATTN") for m in METHODS
+                                 if m not in NO_DRAFT_KV + DENSE_DRAFT],
     "speculative decoding under async scheduling (`ngram_gpu` by default)": [
         dict(engine=speculation(m, True)) for m in NO_DRAFT_KV],
     "adaptive speculative verification": [dict(select={"use_adaptive_verification": True})],
@@ -211,6 +233,8 @@ def start(model_factory, tmp_path, monkeypatch):
             pq["codebooks"] = random_codebooks(str(tmp_path / f"m{m}_v{m_v}.safetensors"), model,
                                                m, m_v=m_v)
         vc = vllm_config(model, block_size=select["block_size"] or 128, pq=pq)
+        if layer.get("sliding_window"):  # the model's, as its config.json would say
+            vc.model_config.hf_text_config.sliding_window = layer["sliding_window"]
         for path, value in setting.get("engine", {}).items():
             owner, _, attr = path.rpartition(".")
             object.__setattr__(operator.attrgetter(owner)(vc) if owner else vc, attr, value)
@@ -272,8 +296,11 @@ def test_every_refusal_the_code_gives_has_a_row(start):
     settings = [dict(select={f: v}) for f, kind in fields
                 for v in ([True] if kind is bool else values[f])]  # a new field: add its values
     settings += [dict(layer=x) for x in (ALIBI, SOFT_CAP, KV_SHARING)]
-    settings += [dict(layer={"sliding_window": w}) for w in (16, 64, 128, 144, 4096)]
-    settings += [dict(engine=speculation(m, a)) for m in METHODS for a in (False, True)]
+    settings += [dict(layer={"sliding_window": w}, pq=p) for w in (16, 64, 128, 144, 4096)
+                 for p in ({}, {"window": 128})]
+    settings += [dict(engine=speculation(m, a, b)) for m in METHODS for a in (False, True)
+                 for b in (None, "CUSTOM", "FLASH_ATTN")]
+    settings += [dict(engine=speculation("mtp", False, "FLASH_ATTN", "gemma4_mtp"))]
     settings += [dict(engine={"parallel_config.enable_dbo": True}),
                  dict(engine={"parallel_config.ubatch_size": 2})]
     settings += [connector(c, pq=p) for c in ["OffloadingConnector", *OTHER_CONNECTORS]

@@ -51,7 +51,7 @@ import torch
 
 from .codebooks import (codebook_path_hint, describe_m, head_dim_of, reserve_nan_code,
                         save_codebooks, supported_m_text)
-from .config import default_codebook_path
+from .config import DEFAULT_BLOCK_SIZE, default_codebook_path, default_window
 from .kmeans import kmeans
 from .layout import (BIT_RATES, NAN_CODE, NUM_CENTROIDS, bits_of, subspaces, supported_m,
                      window_start)
@@ -634,8 +634,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "equally, for codebooks that serve short prompts as well as long ones: "
                         "e.g. --seq-len 2048 8192")
     p.add_argument("--niter", type=int, default=Method.niter, help=f"k-means iterations (default {Method.niter})")
-    p.add_argument("--window", type=int, default=128,
-                   help="the serving window the statistics assume (default 128)")
+    p.add_argument("--window", type=int, default=None,
+                   help="the serving window the statistics assume (default: serving's, 128 "
+                        "below the model's sliding window, e.g. 64 for gpt-oss)")
     p.add_argument("--plain", action="store_true",
                    help="plain L2 k-means on K and V (no query metric, rotation or weights)")
     p.add_argument("--method", nargs="*", default=[], metavar="FIELD=VALUE",
@@ -688,7 +689,7 @@ def _check_args(parser, args) -> None:
         if getattr(args, name) < NUM_CENTROIDS:
             parser.error(f"--{name} must be at least {NUM_CENTROIDS} (k-means trains "
                          f"{NUM_CENTROIDS} centroids per subspace), got {getattr(args, name)}")
-    if args.window < 0:
+    if args.window is not None and args.window < 0:
         parser.error(f"--window must be >= 0, got {args.window}")
     try:
         device = torch.device(args.device)
@@ -809,6 +810,9 @@ def _run(args, parser) -> int:
     method = replace(method, **_overrides(parser, args.method))
 
     context = getattr(hf.get_text_config(), "max_position_embeddings", None)
+    if args.window is None:  # the window serving picks for this model at its default block
+        sw = getattr(hf.get_text_config(), "sliding_window", None)
+        args.window = default_window(DEFAULT_BLOCK_SIZE, sw if isinstance(sw, int) else None)
     # keys are coded after RoPE: codebooks serve the positions their sequences reached
     lengths = sorted(set(args.seq_len or [max(MIN_TOKENS, min(context or DEFAULT_SEQ_LEN,
                                                                   args.tokens))]))

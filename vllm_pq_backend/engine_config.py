@@ -48,6 +48,11 @@ class EngineConfig:
         self._parallel = vllm_config.parallel_config
         self._compilation = vllm_config.compilation_config
         self._windows: dict[int, int] = {}  # block size -> window
+        sw = mc.get_sliding_window()
+        self._sliding_window = sw if isinstance(sw, int) and sw > 0 else None  # the default's bound
+        spec = vllm_config.speculative_config
+        # tokens a verification step adds per request beyond the one it decodes (0: none)
+        self.draft_tokens = int(getattr(spec, "num_speculative_tokens", 0) or 0)
         # the running requests' window store rows (metadata.WindowRows), one table for all
         # of this engine's metadata builders, made by the first
         self.window_table = None
@@ -84,9 +89,22 @@ class EngineConfig:
         for another window."""
         b = self.block_size
         if b not in self._windows:
-            self._windows[b] = self.user.resolve_window(b)
-            self._check_calibration_window(self._windows[b])
+            w = self.user.resolve_window(b, self._sliding_window)
+            if 0 < w <= self.draft_tokens:
+                raise ValueError(
+                    f"pq window {w} must exceed the {self.draft_tokens} speculative tokens "
+                    f"of a verification step (so that one step spans at most two window "
+                    f"segments); lower num_speculative_tokens or raise the window.")
+            self._check_calibration_window(w)
+            self._windows[b] = w
         return self._windows[b]
+
+    @property
+    def window_halves(self) -> int:
+        """Window store rows per running request (layout.window_row): 2 under speculative
+        decoding, whose verification steps may cross into the next window segment and
+        then fall back before it when drafts are rejected; else 1."""
+        return 2 if self.draft_tokens else 1
 
     def _check_calibration_window(self, window: int) -> None:
         """Calibration keeps statistics of the keys a query reads through codes, which the
@@ -111,10 +129,18 @@ class EngineConfig:
         sizes = self._compilation.cudagraph_capture_sizes or []
         return max([self._scheduler.max_num_seqs, *sizes])
 
+    def window_store_shape(self, num_kv_heads: int, dtype: torch.dtype,
+                           device) -> tuple[int, int, int, int]:
+        """One layer's window store of K (and of V): ``window_halves`` rows
+        (layout.window_row) for each running request (``window_rows``) and for the
+        scratch row."""
+        rows = self.window_rows(num_kv_heads, dtype, device) + 1
+        return (rows * self.window_halves, num_kv_heads, self.window, self.head_size)
+
     def window_bytes_per_seq(self, num_kv_heads: int, dtype: torch.dtype) -> int:
         """Window store bytes of one running sequence, all layers."""
         esz = torch.tensor([], dtype=dtype).element_size()
-        return (2 * num_kv_heads * self.window * self.head_size * esz
+        return (2 * self.window_halves * num_kv_heads * self.window * self.head_size * esz
                 * self.codebooks.num_layers)
 
     def window_rows(self, num_kv_heads: int, dtype: torch.dtype, device) -> int:

@@ -14,15 +14,6 @@ from .metadata import PQMetadata
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler, see __init__
 
-# Attention sinks (gpt-oss) reach every path: the decode kernel, each prefill path and the
-# reference, each tested against the formula on a GPU (tests/test_sinks.py,
-# tests/test_kernels_gpu.py -k sink), and a gpt-oss-shaped engine through codes stays near
-# bf16 (tests/test_engines_gpu.py -k gpt_oss). Start-up still refuses them
-# (PQAttentionBackend.supports_sink, PQAttentionImpl): greedy identity with FLASH_ATTN when
-# every key is exact has not been shown on a model whose reference is reproducible.
-SERVES_SINKS = False
-
-
 class LayerState:
     """One layer's codebooks, maps, window store and ops, on the layer's device."""
 
@@ -74,8 +65,7 @@ class LayerState:
         self.sinks = impl.sinks
         self.win_k = self.win_v = None
         if self.window > 0:
-            rows = cfg.window_rows(impl.num_kv_heads, dtype, device) + 1  # + the scratch row
-            shape = (rows, impl.num_kv_heads, self.window, impl.head_size)
+            shape = cfg.window_store_shape(impl.num_kv_heads, dtype, device)
             self.win_k = torch.zeros(shape, dtype=dtype, device=device)
             self.win_v = torch.zeros(shape, dtype=dtype, device=device)
         self.d = impl.head_size
@@ -142,6 +132,42 @@ def connector_refusal(transfer_config, window: int | None) -> str | None:
             f"prefill, LMCache, shared storage); {fix}")
 
 
+# Speculative methods whose draft layers vLLM builds with speculative_config.attention_backend
+# (SpeculativeConfig.apply_draft_overrides; the target's backend where it is unset). Those
+# layers have no codebooks: on another backend they keep their KV dense, in pages of their
+# own size in the target's KV cache group (one block table, a page size per layer).
+DENSE_DRAFT_METHODS = ("eagle", "eagle3", "mtp")
+DRAFT_BACKEND_FIX = 'add "attention_backend": "FLASH_ATTN" to --speculative-config'
+
+
+def draft_refusal(spec, sliding_window: int = 0) -> str | None:
+    """Why the CUSTOM backend cannot serve the draft of ``spec`` (the engine's
+    ``SpeculativeConfig``, None: no speculation), or None to serve it. ``sliding_window``
+    is the calling target layer's (0: full attention)."""
+    if spec is None or not spec.uses_draft_kv_cache():
+        return None  # ngram, suffix, medusa, mlp_speculator: no draft KV cache
+    head = f"The CUSTOM (PQ) backend does not serve speculative method {spec.method!r}"
+    if spec.use_gemma4_mtp():
+        return (f"{head} for Gemma 4: its draft layers read the target's KV cache, which "
+                f"holds PQ codes; use ngram or suffix.")
+    if spec.method not in DENSE_DRAFT_METHODS:
+        return (f"{head}: its draft layers would take the target's backend and need PQ "
+                f"codebooks of their own; use eagle, eagle3 or mtp with {DRAFT_BACKEND_FIX}, "
+                f"or ngram or suffix.")
+    backend = spec.attention_backend
+    if backend is None or backend.name == "CUSTOM":
+        return (f"{head} with its draft layers on CUSTOM: they have no PQ codebooks and keep "
+                f"their KV dense on another backend; {DRAFT_BACKEND_FIX}.")
+    if sliding_window:
+        # The dense draft pages and a sliding-window group's PQ pages differ in size across
+        # KV cache groups, which vLLM reconciles by scaling one group's block size or
+        # padding its pages (kv_cache_utils.unify_kv_cache_spec_page_size).
+        return (f"{head} on a model with sliding-window layers: its dense draft pages "
+                f"would make vLLM resize the PQ pages of another KV cache group; use "
+                f"ngram or suffix.")
+    return None
+
+
 class PQAttentionImpl(AttentionImpl[PQMetadata]):
     can_return_lse_for_decode = False
 
@@ -164,7 +190,6 @@ class PQAttentionImpl(AttentionImpl[PQMetadata]):
             "logits soft-capping": bool(logits_soft_cap),
             f"attention type {attn_type}": attn_type != AttentionType.DECODER,
             "cross-layer KV sharing": kv_sharing_target_layer_name is not None,
-            "attention sinks": kwargs.get("sinks") is not None and not SERVES_SINKS,
         }
         bad = [name for name, on in unsupported.items() if on]
         if bad:
@@ -185,15 +210,9 @@ class PQAttentionImpl(AttentionImpl[PQMetadata]):
 
         vc = get_current_vllm_config()
         spec = vc.speculative_config
-        if spec is not None and spec.uses_draft_kv_cache():
-            # Verification steps are multi-token queries on the prefill path, whose codes
-            # part reads the history through codes (codes_attention). Draft models with
-            # attention layers of their own would need codebooks of their own.
-            raise NotImplementedError(
-                f"The CUSTOM (PQ) backend supports speculative decoding whose drafts need no "
-                f"KV cache (ngram, ngram_gpu, suffix, medusa, mlp_speculator), not "
-                f"{spec.method!r}: its draft layers would need PQ codebooks of their own."
-            )
+        refusal = draft_refusal(spec, self.sliding_window)
+        if refusal:
+            raise NotImplementedError(refusal)
         if spec is not None and vc.scheduler_config.async_scheduling:
             # vLLM then knows a verification step's context lengths on the host only as an
             # upper bound that counts every draft as accepted (seq_lens_cpu_upper_bound);
@@ -311,7 +330,7 @@ def _log_memory(impl: PQAttentionImpl, st: LayerState) -> None:
     books = (2 * st.k_cb32.numel() * (4 + esz) + st.k_grid.numel() + st.v_grid.numel()
              + st.books.numel()) * layers
     if st.window > 0:
-        rows = st.win_k.shape[0] - 1
+        rows = cfg.scratch_row  # the running requests' rows; the scratch row is past them
         win_seq = cfg.window_bytes_per_seq(impl.num_kv_heads, st.k_cb.dtype)
         window = (
             f"Window: {win_seq / 2**20:.2f} MiB per running sequence, "

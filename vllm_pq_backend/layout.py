@@ -69,6 +69,15 @@ def window_start(pos, window: int):
     return (pos // window) * window
 
 
+def window_row(row, pos, window: int, halves: int):
+    """The window store row that holds position ``pos`` of the request given store row
+    ``row`` (ints, numpy arrays or tensors). With ``halves`` 2 (speculative decoding) a
+    request owns rows ``2 row`` and ``2 row + 1`` and consecutive window segments
+    alternate between them: a verification step writes the first tokens of the next
+    segment without overwriting the segment its rejected drafts fall back into."""
+    return row * halves + (pos // window) % halves
+
+
 @dataclass(frozen=True)
 class PageLayout:
     block_size: int

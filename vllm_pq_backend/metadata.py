@@ -21,6 +21,7 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from . import cuda_ops, plans
 from .codes_attention import CodesShape
 from .engine_config import EngineConfig, callers_locals
+from .layout import window_row
 from .plans import DecodePlan, PrefillGroup
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler, see __init__
@@ -121,9 +122,11 @@ class PQMetadata(AttentionMetadata):
     seq_lens_cpu: torch.Tensor
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
-    req_rows: torch.Tensor | None  # each request's window store row (None without a window)
+    # each request's window store row for its last position (layout.window_row; None
+    # without a window): the row a decode reads and writes
+    req_rows: torch.Tensor | None
     req_rows_cpu: list[int] | None
-    req_rows_end: int  # the scratch row + 1, past every row req_rows holds (0: no window)
+    req_rows_end: int  # past every store row this step names (0: no window)
     decode: DecodePlan | None  # the decode kernel's schedule (None: no decodes)
     prefills: list[PrefillGroup]
 
@@ -166,6 +169,7 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
                 "the window would disagree; set --block-size explicitly."
             )
         self.window = self.cfg.window
+        self.halves = self.cfg.window_halves
         self.prefill_page_tokens = plans.prefill_page_tokens(self.cfg.max_model_len,
                                                              self.block_size)
         dev = torch.device(device)
@@ -219,7 +223,7 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
         seq_cpu = cam.seq_lens_cpu_upper_bound
         seq_cpu = (seq_cpu if seq_cpu is not None else cam.seq_lens.cpu())[:n]
         self._check_step(qsl_cpu.numpy(), seq_cpu.numpy(), cam.block_table_tensor.shape)
-        rows_cpu = self._window_rows(cam) if self.window > 0 else None
+        rows_cpu = self._window_rows(cam, seq_cpu.numpy()) if self.window > 0 else None
         prefills = []
         if npf:
             prefills = plans.plan_prefills(
@@ -228,12 +232,13 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
                 cam.block_table_tensor[nd:n],
                 self.block_size,
                 self.window,
-                rows_cpu[nd:] if rows_cpu is not None else None,
+                rows_cpu[0][nd:] if rows_cpu is not None else None,
                 self.device,
                 self.prefill_page_tokens,
                 self.batch_invariant,
                 None if self.batch_invariant else self.codes_shape,
                 self.fallback,
+                self.halves,
             )
         return PQMetadata(
             num_reqs=n,
@@ -248,8 +253,8 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
             block_table=cam.block_table_tensor,
             slot_mapping=cam.slot_mapping,
             req_rows=self.req_rows[:n],
-            req_rows_cpu=rows_cpu,
-            req_rows_end=self._rows_filled_with + 1 if rows_cpu is not None else 0,
+            req_rows_cpu=rows_cpu[1] if rows_cpu is not None else None,
+            req_rows_end=(self._rows_filled_with + 1) * self.halves if rows_cpu is not None else 0,
             decode=self._plan_decode(seq_cpu[:nd].numpy()) if nd else None,
             prefills=prefills,
         )
@@ -282,11 +287,13 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
             table = self.cfg.window_table = WindowRows(requests)
         return table
 
-    def _window_rows(self, cam: CommonAttentionMetadata) -> list[int]:
-        """Each request's window store row, written into the persistent ``req_rows``."""
+    def _window_rows(self, cam: CommonAttentionMetadata,
+                     seq_lens: np.ndarray) -> tuple[np.ndarray, list[int]]:
+        """Each request's window store row (the first of its ``halves``), and the row of
+        its last position (layout.window_row), written into the persistent ``req_rows``."""
         scratch = self.cfg.scratch_row  # read at each build: the first layer settles it
         if self._rows_filled_with != scratch:  # CUDA-graph padding rows read these
-            self.req_rows.fill_(scratch)
+            self.req_rows.fill_(scratch * self.halves)
             self._rows_filled_with = scratch
         if cam.req_idx is None or self.window_rows is None:
             raise RuntimeError(
@@ -299,10 +306,11 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
         rows = np.full(n, scratch, dtype=np.int32)
         real = self.window_rows.assign(np.asarray(cam.req_idx[:n]), scratch)
         rows[: len(real)] = real
-        host = plans.staged(rows.nbytes, self.device)  # straight into the persistent buffer
-        host.numpy()[:] = rows.view(np.uint8)
+        last = window_row(rows, seq_lens[:n] - 1, self.window, self.halves).astype(np.int32)
+        host = plans.staged(last.nbytes, self.device)  # straight into the persistent buffer
+        host.numpy()[:] = last.view(np.uint8)
         self.req_rows[:n].copy_(host.view(torch.int32), non_blocking=True)
-        return rows.tolist()
+        return rows, last.tolist()
 
     def _plan_decode(self, seq_lens: np.ndarray) -> DecodePlan:
         """The decode kernel's schedule; its request order goes into the persistent buffer."""

@@ -27,7 +27,7 @@ import torch
 
 from . import codes_attention
 from .codes_attention import CodesTiles
-from .layout import PageLayout
+from .layout import PageLayout, window_row
 
 # --------------------------------------------------------------------------- decode
 
@@ -280,11 +280,13 @@ def staged(nbytes: int, device) -> torch.Tensor:
 
 
 def plan_prefills(qsl, seq_lens, block_table, block_size, window, rows, device, page_tokens,
-                  batch_invariant=False, codes_shape=None, fallback=False) -> list[PrefillGroup]:
+                  batch_invariant=False, codes_shape=None, fallback=False,
+                  halves=1) -> list[PrefillGroup]:
     """Prefill requests split into consecutive groups whose dequantized pages (padded to
     the group's longest history) stay within ``page_tokens``, and so do their segments'
     own subpages; one plan per group. ``qsl``: global token offsets of the prefill rows
-    ``[requests + 1]``; ``rows``: each request's window store row; ``codes_shape``: plan
+    ``[requests + 1]``; ``rows``: each request's window store row (its first of ``halves``,
+    layout.window_row); ``codes_shape``: plan
     the codes part for codes_attention's kernel where it takes it; ``fallback``: plans
     for fallback.py (no GPU). Every group's integer arrays go to the device in one copy."""
     lens = seq_lens.astype(np.int64)
@@ -303,7 +305,7 @@ def plan_prefills(qsl, seq_lens, block_table, block_size, window, rows, device, 
         i = j
     drafts = [_draft(qsl[i : j + 1], seq_lens[i:j], block_table[i:j], block_size, window,
                      rows[i:j] if rows is not None else None, batch_invariant, codes_shape,
-                     fallback) for i, j in bounds]
+                     fallback, halves) for i, j in bounds]
     sent = iter(upload([x for d in drafts for x in d.arrays.values()], device))
     groups = []
     for (i, j), d in zip(bounds, drafts):
@@ -325,17 +327,18 @@ class _Draft:
 
 
 def _draft(qsl, seq_lens, block_table, block_size, window, rows, batch_invariant,
-           codes_shape, fallback) -> _Draft:
+           codes_shape, fallback, halves=1) -> _Draft:
     starts = (qsl - qsl[0]).astype(np.int64)
     q_lens = np.diff(starts)
     lens = seq_lens.astype(np.int64)
     n = len(lens)
     arrays = {}
     if window > 0:
-        arrays.update(_window_writes(starts, q_lens, lens, np.asarray(rows, dtype=np.int64),
-                                     window))
-    if fallback:
-        plan = FallbackPlan(starts.tolist(), lens.tolist(), rows, block_table)
+        rows = np.asarray(rows, dtype=np.int64)
+        arrays.update(_window_writes(starts, q_lens, lens, rows, window, halves))
+    if fallback:  # the reference reads the store for the segment of each request's first row
+        read = window_row(rows, lens - q_lens, window, halves).tolist() if window > 0 else None
+        plan = FallbackPlan(starts.tolist(), lens.tolist(), read, block_table)
         return _Draft(arrays, lambda t: plan)
     nb = int(-(-lens.max() // block_size))
     block_ids = block_table[:, :nb].flatten()
@@ -351,7 +354,7 @@ def _draft(qsl, seq_lens, block_table, block_size, window, rows, batch_invariant
         tiles = codes_attention.plan(runs, *codes_shape, n, max_k)
     if tiles is not None:
         return _codes_draft(arrays, block_ids.view(n, nb), tiles, starts, q_lens, lens, rows,
-                            window)
+                            window, halves)
     if batch_invariant:  # every entry dequantized: the group's own page table
         page_first = None
         arrays["page_table"] = np.arange(n * nb, dtype=np.int32).reshape(n, nb)
@@ -368,7 +371,7 @@ def _draft(qsl, seq_lens, block_table, block_size, window, rows, batch_invariant
         max_q = int(q_lens.max())
         return _Draft(arrays, lambda t: wrap(PagesPlan(
             block_ids, page_first, page_table(t), t["cu_q"], max_q, t["seq_lens"], max_k)))
-    seg = _segments(starts, q_lens, lens, np.asarray(rows, dtype=np.int64), window)
+    seg = _segments(starts, q_lens, lens, rows, window, halves)
     arrays.update(seg)
     seg_max_q = int(np.diff(seg["seg_cu_q"]).max())
     keys = _segment_keys(seg, starts)
@@ -379,7 +382,7 @@ def _draft(qsl, seq_lens, block_table, block_size, window, rows, batch_invariant
 
 
 def _codes_draft(arrays, block_table, tiles: CodesTiles, starts, q_lens, lens, rows,
-                 window) -> _Draft:
+                 window, halves) -> _Draft:
     arrays.update(zip(CodesTiles.ARRAYS, tiles.tiles))
 
     def sent_tiles(t) -> CodesTiles:
@@ -387,8 +390,7 @@ def _codes_draft(arrays, block_table, tiles: CodesTiles, starts, q_lens, lens, r
 
     if window <= 0:
         return _Draft(arrays, lambda t: CodesPlan(block_table, sent_tiles(t), None))
-    seg = _segments(starts, q_lens, lens, np.asarray(rows, dtype=np.int64), window,
-                    subpages=False)
+    seg = _segments(starts, q_lens, lens, rows, window, halves, subpages=False)
     arrays.update(seg)
     seg_max_q = int(np.diff(seg["seg_cu_q"]).max())
     seg_max_k = int(np.diff(seg["seg_cu_k"]).max())
@@ -443,17 +445,21 @@ def _segment_counts(first, lens, window):
     return ws, -(-(lens - ws) // window)
 
 
-def _window_writes(starts, q_lens, lens, rows, window) -> dict[str, np.ndarray]:
-    """The rows of each request that end in the window store (positions from the window
-    start of its last token), their store rows and slots: WindowWrite's arrays."""
+def _window_writes(starts, q_lens, lens, rows, window, halves=1) -> dict[str, np.ndarray]:
+    """The rows of each request that end in the window store, their store rows and slots:
+    WindowWrite's arrays. Those are the positions from the window start of its last token
+    and, with ``halves`` 2, of the segment before (which a rejected draft may send the
+    next step back into)."""
     first = lens - q_lens
-    last = np.maximum(first, ((lens - 1) // window) * window)
+    last = np.maximum(first, ((lens - 1) // window - (halves - 1)) * window)
+    pos = _runs(last, lens - last)
     return dict(win_tokens=_runs(starts[:-1] + last - first, lens - last),
-                win_rows=np.repeat(rows, lens - last),
-                win_slots=_runs(last, lens - last) % window)
+                win_rows=window_row(np.repeat(rows, lens - last), pos, window, halves),
+                win_slots=pos % window)
 
 
-def _segments(starts, q_lens, lens, rows, window, subpages=True) -> dict[str, np.ndarray]:
+def _segments(starts, q_lens, lens, rows, window, halves=1,
+              subpages=True) -> dict[str, np.ndarray]:
     """The window segments of each request's rows (layout.window_start): segment ``g0``
     holds positions ``[g0, g0 + W)``; its rows attend causally to its full-precision keys
     (this chunk's rows and, in the first, earlier steps' window store entries) and, when
@@ -475,7 +481,8 @@ def _segments(starts, q_lens, lens, rows, window, subpages=True) -> dict[str, np
     c = g0 > 0  # segments with a codes part
     out = dict(seg_cu_q=_cum0(e - a).astype(np.int32), seg_cu_k=_cum0(e - g0).astype(np.int32),
                seg_end=e.astype(np.int32), fp_src=fp_src,
-               store_rows=np.repeat(rows[req], n_store), store_slots=_runs(g0 % w, n_store),
+               store_rows=np.repeat(window_row(rows[req], g0, w, halves), n_store),
+               store_slots=_runs(g0 % w, n_store),
                code_out=_runs((tok0 + a - f)[c], (e - a)[c]))
     if subpages:
         fp_at = np.full(len(g0) * w, -1, dtype=np.int64)  # segment s's subpage: rows s*W ..

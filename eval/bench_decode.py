@@ -31,6 +31,7 @@ import json
 import math
 import statistics
 import sys
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -47,23 +48,36 @@ L2_FLUSH = 256 << 20  # rotate inputs until they span this many bytes
 
 def timed(fn_for_copy, n_copies: int, reps: int = 10, trials: int = 7) -> float:
     """Median microseconds of one call; calls cycle over the input copies."""
-    fn_for_copy(0)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(reps):
-            fn_for_copy(i % n_copies)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(trials):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
+    return timed_together([fn_for_copy], n_copies, reps, trials)[0]
+
+
+def timed_together(fns, n_copies: int, reps: int = 10, trials: int = 7) -> list[float]:
+    """Median microseconds of one call of each of ``fns`` (each called with an input copy's
+    index), their graphs replayed in turn within each trial, the order rotated from trial
+    to trial: variants compared on the same inputs and the same clocks, so that a few
+    percent between them is theirs and not the machine's drift."""
+    graphs = []
+    for fn in fns:
+        fn(0)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(reps):
+                fn(i % n_copies)
         graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / reps)
-    return statistics.median(times)
+        graphs.append(graph)
+    torch.cuda.synchronize()
+    times = [[] for _ in fns]
+    for t in range(trials):
+        for k in range(len(fns)):
+            j = (k + t) % len(fns)
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            graphs[j].replay()
+            b.record()
+            b.synchronize()
+            times[j].append(a.elapsed_time(b) * 1e3 / reps)
+    return [statistics.median(x) for x in times]
 
 
 def copy_bandwidth() -> float:
@@ -85,6 +99,14 @@ def copies_for(nbytes: int) -> int:
     return max(1, min(8, math.ceil(L2_FLUSH / max(nbytes, 1))))
 
 
+class PQTime(NamedTuple):
+    us: float
+    must_read: int  # bytes
+    splits: int
+    kernels: dict  # kernel_times, when asked
+    sinks_us: float  # with an attention sink per query head, when asked
+
+
 def bench_pq(batch, ctx, ms, gen, hq=HQ, hkv=HKV, lut=False, per_item=False, min_split=None, kernels=False,
              window=WINDOW, lens=None, order=True, sinks=False, d=D):
     """``ms``: (Mk, Mv), K and V subspaces per head; ``per_item``: a CTA per (request,
@@ -92,7 +114,8 @@ def bench_pq(batch, ctx, ms, gen, hq=HQ, hkv=HKV, lut=False, per_item=False, min
     kernel's shortest split (default the backend's, 0: even splits); ``kernels``: also each
     kernel's own device time (kernel_times); ``lens``: each request's context (default
     ``ctx`` for all); ``order``: requests dealt to the CTAs longest first, as the backend
-    does (False: in the batch's order); ``sinks``: with an attention sink per query head (gpt-oss)."""
+    does (False: in the batch's order); ``sinks``: also with an attention sink per query
+    head (gpt-oss), timed together with the run without on the same inputs (PQTime.sinks_us)."""
     from vllm_pq_backend import cuda_ops, plans
     from vllm_pq_backend.layout import PageLayout
 
@@ -121,18 +144,22 @@ def bench_pq(batch, ctx, ms, gen, hq=HQ, hkv=HKV, lut=False, per_item=False, min
     ctas = 0 if per_item else plans.num_ctas_for(plans.ctas_per_split(hq, hkv), sms)
     ws_o = torch.empty(batch * hq * splits * d, device="cuda")
     ws_lse = torch.empty(batch * hq * splits, device="cuda")
-    sink = torch.randn(hq, **bf16) if sinks else q.new_empty(0)
+    sink = torch.randn(hq, **bf16)
 
-    def run(i):
+    def run(i, sink=q.new_empty(0)):
         torch.ops.pq_backend.decode(out, q, cache, tables[i], seq, order_t, cb[0], cb[1], books, win[0], win[1],
                                     rows, new_kv[0], new_kv[1], window, 0, splits, min_split, ctas,
                                     d**-0.5, sink,
                                     lut, ws_o, ws_lse,
                                     *lay.kernel_args())
 
-    us = timed(run, n)
+    if sinks:
+        us, sinks_us = timed_together([run, lambda i: run(i, sink)], n, trials=15)
+    else:
+        us, sinks_us = timed(run, n), math.nan
     must_read = code_bytes + 2 * hkv * 256 * d * 2  # codes + codebooks once
-    return us, must_read, splits, kernel_times(run, n) if kernels else {}
+    return PQTime(us, must_read, splits, kernel_times(run, n) if kernels else {}, sinks_us)
+
 
 
 def kernel_times(fn_for_copy, n_copies: int, reps: int = 20) -> dict:
@@ -253,7 +280,8 @@ def main() -> int:
                    help="each request's context drawn uniformly from LO..HI tokens (seeded; in place of "
                         "--contexts); CUSTOM also timed with its requests in the batch's order")
     p.add_argument("--sinks", action="store_true",
-                   help="also time CUSTOM with an attention sink per query head, as gpt-oss has (custom_sinks_us)")
+                   help="also time CUSTOM with an attention sink per query head, as gpt-oss has "
+                        "(custom_sinks_us), on custom_us's inputs, the two runs alternating")
     p.add_argument("--batch-order", action="store_true",
                    help="also time CUSTOM with its requests dealt in the batch's order (custom_batch_order_us; "
                         "always with --mix)")
@@ -300,14 +328,12 @@ def main() -> int:
                         for b in (16, 128)) if args.sinks else nan)
         tq, tq_bytes = (nan, 0) if args.no_turboquant else bench_turboquant(batch, ctx, gen, hq, hkv)
         for bits, ms in args.settings:
-            us, must, splits, ktimes = bench_pq(batch, top, ms, gen, hq, hkv, min_split=args.min_split,
-                                                kernels=args.kernel_times, window=args.window, lens=lens, d=d)
+            us, must, splits, ktimes, with_sinks = bench_pq(
+                batch, top, ms, gen, hq, hkv, min_split=args.min_split, kernels=args.kernel_times,
+                window=args.window, lens=lens, sinks=args.sinks, d=d)
             per_item = (bench_pq(batch, top, ms, gen, hq, hkv, per_item=True, min_split=args.min_split,
                                  window=args.window, lens=lens, d=d)[0]
                         if args.per_item else nan)
-            with_sinks = (bench_pq(batch, top, ms, gen, hq, hkv, min_split=args.min_split, window=args.window,
-                                   lens=lens, sinks=True, d=d)[0]
-                          if args.sinks else nan)
             batch_order = (bench_pq(batch, top, ms, gen, hq, hkv, min_split=args.min_split,
                                     window=args.window, lens=lens, order=False, d=d)[0]
                            if lens is not None or args.batch_order else nan)

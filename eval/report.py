@@ -575,8 +575,9 @@ def speculative() -> str:
         tpot = f"{r['tpot_ms_median']:.1f}" + (f" ({ratio(r['tpot_vs_without'])})" if spec else "")
         body.append([r["case"], r["backend"], r["speculation"],
                      f"{r['identical_prompts']} of {r['prompts']}" if spec else
-                     f"reference (fewest distinct tokens in an output: "
-                     f"{r['distinct_output_tokens_min']} of {data['max_tokens']})",
+                     f"reference (repeats itself: {r['repeats_itself']} of {r['prompts']}; "
+                     f"fewest distinct tokens in an output: {r['distinct_output_tokens_min']} "
+                     f"of {data['max_tokens']})",
                      *([f"{r[k]:,}" for k in ("drafts", "draft_tokens", "accepted_tokens")]
                        if spec else ["", "", ""]),
                      f"{r['kv_cache_tokens']:,}", per_token, size(r["gpu_memory_bytes"]), tpot])

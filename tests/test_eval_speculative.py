@@ -227,7 +227,8 @@ def test_a_run_writes_its_result_and_report_tables_it(tmp_path, monkeypatch, cap
     lines = report.speculative().splitlines()
     assert lines[0].startswith("| case | target KV cache | speculation | greedy outputs "
                                "identical |")
-    assert lines[2] == ("| EAGLE-3 | CUSTOM 4 bits | none | reference (repeats itself: 8 of 8) "
+    assert lines[2] == ("| EAGLE-3 | CUSTOM 4 bits | none | reference (repeats itself: 8 of 8; "
+                        "fewest distinct tokens in an output: 63 of 64) "
                         "|  |  |  | 128,000 | 4,096 | 50.000 GiB | 11.0 |")
     assert lines[3] == ("| EAGLE-3 | CUSTOM 4 bits | eagle3, 3 tokens, draft on FLASH_ATTN | "
                         "8 of 8 | 40 | 120 | 30 | 128,000 | 4,096 + 4,096 | 50.000 GiB | "

@@ -99,6 +99,10 @@ def copies_for(nbytes: int) -> int:
     return max(1, min(8, math.ceil(L2_FLUSH / max(nbytes, 1))))
 
 
+SINKS_TIMING = ("with and without sinks on the same inputs, their CUDA graphs replayed in turn, "
+                "median of 15 trials each")
+
+
 class PQTime(NamedTuple):
     us: float
     must_read: int  # bytes
@@ -154,7 +158,7 @@ def bench_pq(batch, ctx, ms, gen, hq=HQ, hkv=HKV, lut=False, per_item=False, min
                                     *lay.kernel_args())
 
     if sinks:
-        us, sinks_us = timed_together([run, lambda i: run(i, sink)], n, trials=15)
+        us, sinks_us = timed_together([run, lambda i: run(i, sink)], n, trials=15)  # SINKS_TIMING
     else:
         us, sinks_us = timed(run, n), math.nan
     must_read = code_bytes + 2 * hkv * 256 * d * 2  # codes + codebooks once
@@ -360,7 +364,8 @@ def main() -> int:
                   + (f" | sinks {with_sinks:.1f} (fa3 {fa_sinks:.1f})" if not math.isnan(with_sinks)
                      else ""), flush=True)
         result = dict(stamp, shapes=dict(model=args.shape, q_heads=hq, kv_heads=hkv, head_dim=d, pq_block=PQ_BLOCK,
-                      window=args.window), copy_gbs=round(copy_gbs, 1), rows=rows)
+                      window=args.window), copy_gbs=round(copy_gbs, 1), rows=rows,
+                      **(dict(sinks_timing=SINKS_TIMING) if args.sinks else {}))
         with open(args.out, "w") as f:  # after each case: a cut-short run keeps its rows
             json.dump(result, f, indent=1)
     print(f"wrote {args.out}")

@@ -148,8 +148,6 @@ def bench_pq(batch, ctx, ms, gen, hq=HQ, hkv=HKV, lut=False, per_item=False, min
     ctas = 0 if per_item else plans.num_ctas_for(plans.ctas_per_split(hq, hkv), sms)
     ws_o = torch.empty(batch * hq * splits * d, device="cuda")
     ws_lse = torch.empty(batch * hq * splits, device="cuda")
-    sink = torch.randn(hq, **bf16)
-
     def run(i, sink=q.new_empty(0)):
         torch.ops.pq_backend.decode(out, q, cache, tables[i], seq, order_t, cb[0], cb[1], books, win[0], win[1],
                                     rows, new_kv[0], new_kv[1], window, 0, splits, min_split, ctas,
@@ -158,12 +156,12 @@ def bench_pq(batch, ctx, ms, gen, hq=HQ, hkv=HKV, lut=False, per_item=False, min
                                     *lay.kernel_args())
 
     if sinks:
+        sink = torch.randn(hq, **bf16)
         us, sinks_us = timed_together([run, lambda i: run(i, sink)], n, trials=15)  # SINKS_TIMING
     else:
         us, sinks_us = timed(run, n), math.nan
     must_read = code_bytes + 2 * hkv * 256 * d * 2  # codes + codebooks once
     return PQTime(us, must_read, splits, kernel_times(run, n) if kernels else {}, sinks_us)
-
 
 
 def kernel_times(fn_for_copy, n_copies: int, reps: int = 20) -> dict:

@@ -811,8 +811,8 @@ def _run(args, parser) -> int:
 
     context = getattr(hf.get_text_config(), "max_position_embeddings", None)
     if args.window is None:  # the window serving picks for this model at its default block
-        sw = getattr(hf.get_text_config(), "sliding_window", None)
-        args.window = default_window(DEFAULT_BLOCK_SIZE, sw if isinstance(sw, int) else None)
+        args.window = default_window(DEFAULT_BLOCK_SIZE,
+                                     getattr(hf.get_text_config(), "sliding_window", None))
     # keys are coded after RoPE: codebooks serve the positions their sequences reached
     lengths = sorted(set(args.seq_len or [max(MIN_TOKENS, min(context or DEFAULT_SEQ_LEN,
                                                                   args.tokens))]))

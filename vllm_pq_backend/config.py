@@ -97,7 +97,7 @@ class PQConfig:
             return default_codebook_path(self.codebooks, m_k, self.m_v or m_k)
         return self.codebooks
 
-    def resolve_window(self, block_size: int, sliding_window: int | None = None) -> int:
+    def resolve_window(self, block_size: int, sliding_window=None) -> int:
         """The window for this block size; W must divide B (see layout.py). The default
         also stays below the model's sliding window (``default_window``)."""
         if self.window is None:
@@ -112,14 +112,17 @@ class PQConfig:
         return w
 
 
-def default_window(block_size: int, sliding_window: int | None = None) -> int:
+def default_window(block_size: int, sliding_window=None) -> int:
     """DEFAULT_WINDOW where the block size allows it, else the block size; halved while it
     is not below the model's sliding window (the residual window must sit inside a sliding
     layer's window: gpt-oss, whose sliding layers read 128 keys, gets 64), 0 (no window)
     below 16 tokens. Halving a multiple of 32 that divides the block size keeps a multiple
-    of 16 that divides it."""
+    of 16 that divides it. ``sliding_window`` as a model config gives it: anything but a
+    positive int is none."""
     w = DEFAULT_WINDOW if block_size % DEFAULT_WINDOW == 0 else block_size
-    while sliding_window and w >= sliding_window:
+    if not (isinstance(sliding_window, int) and sliding_window > 0):
+        return w
+    while w >= sliding_window:
         if w % 32:
             return 0
         w //= 2

@@ -48,8 +48,7 @@ class EngineConfig:
         self._parallel = vllm_config.parallel_config
         self._compilation = vllm_config.compilation_config
         self._windows: dict[int, int] = {}  # block size -> window
-        sw = mc.get_sliding_window()
-        self._sliding_window = sw if isinstance(sw, int) and sw > 0 else None  # the default's bound
+        self._sliding_window = mc.get_sliding_window()  # the default window's bound
         spec = vllm_config.speculative_config
         # tokens a verification step adds per request beyond the one it decodes (0: none)
         self.draft_tokens = int(getattr(spec, "num_speculative_tokens", 0) or 0)

@@ -375,11 +375,15 @@ def main() -> int:
     p.add_argument("--plot-only", action="store_true", help="redraw the plot of --out")
     p.add_argument("--gpus", nargs="+", default=None, metavar="ID", help="run the caches on "
                    "these GPUs at once, one worker process each (CUDA_VISIBLE_DEVICES=ID; same "
-                   "engine settings on every GPU)")
+                   "engine settings on every GPU); a GPU named N times runs N workers, which "
+                   "needs --kv-cache-memory-bytes")
     p.add_argument("--raw", help="each cache's raw results (default: beside --out, OUT_raw/); a "
                    "cache whose raw file is there is not run again, so a cut run resumes")
     p.add_argument("--engine", type=int, nargs="+", help=argparse.SUPPRESS)  # a worker's share
     args = p.parse_args()
+    if args.gpus and len(set(args.gpus)) < len(args.gpus) and not args.kv_cache_memory_bytes:
+        p.error("--gpus names a GPU twice: give --kv-cache-memory-bytes, since memory profiling "
+                "cannot tell its engine's memory from that of the others on the GPU")
     if args.gpus and len(args.gpus) == 1:  # before anything initialises CUDA
         os.environ["CUDA_VISIBLE_DEVICES"] = args.gpus[0]
     png = os.path.splitext(args.out)[0] + ".png"
@@ -445,7 +449,8 @@ def main() -> int:
     if args.engine is not None:  # a worker: these engines, here
         todo = [i for i in args.engine if i in todo]
     if args.engine is None and args.gpus and len(args.gpus) > 1 and todo:
-        # one worker process per GPU, each taking every len(gpus)-th engine still to run
+        # one worker process per entry (a GPU named twice runs two), each taking every
+        # len(gpus)-th engine still to run
         procs = []
         for k, gpu in enumerate(args.gpus):
             mine = todo[k :: len(args.gpus)]
@@ -479,7 +484,8 @@ def main() -> int:
                    fidelity=dict(docs=len(docs), tokens_per_doc=context - 1,
                                  text=[os.path.basename(x) for x in args.fidelity_text]),
                    haystack=[os.path.basename(x) for x in args.haystack],
-                   max_model_len=args.max_model_len, gpus=len(args.gpus or [0]), engines=[], retrieval=[],
+                   max_model_len=args.max_model_len, gpus=len(set(args.gpus or ["0"])),
+                   workers=len(args.gpus or [0]), engines=[], retrieval=[],
                    fidelity_rows=[])
     results = [json.load(open(raw_path(i))) if os.path.exists(raw_path(i))
                else dict(error="no result: its worker stopped first") for i in range(len(engines))]

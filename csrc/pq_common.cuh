@@ -41,21 +41,15 @@ struct Elem<__nv_bfloat16> {
   }
 };
 
-// Query head `head`'s attention sink logit (DecodeArgs::sinks, non-null), in natural-log
-// units. Callers load it before the loads their output waits on, so that its latency is
-// hidden behind theirs rather than added at the end.
-template <typename T>
-__device__ __forceinline__ float load_sink(const DecodeArgs& a, int head) {
-  return a.sinks_f32 ? static_cast<const float*>(a.sinks)[head]
-                     : Elem<T>::to_float(static_cast<const T*>(a.sinks)[head]);
-}
-
 // A softmax result `o` over keys whose log2-sum-exp is `lse` (the decode kernel's log2
-// domain of scores; -inf: no keys, o = 0) with the attention sink logit `sink` (load_sink)
-// joined to its denominator once: o / (1 + 2^(sink - lse)), reference.add_sink's formula.
-// A sink of -inf leaves o as it is.
-__device__ __forceinline__ float with_sink(float o, float sink, float lse) {
-  return o / (1.f + exp2f(sink * 1.4426950408889634f - lse));
+// domain of scores; -inf: no keys, o = 0) with query head `head`'s attention sink
+// (DecodeArgs::sinks, non-null) joined to its denominator once: o / (1 + 2^(sink - lse)),
+// reference.add_sink's formula. A sink of -inf leaves o as it is.
+template <typename T>
+__device__ __forceinline__ float with_sink(const DecodeArgs& a, int head, float o, float lse) {
+  const float s = a.sinks_f32 ? static_cast<const float*>(a.sinks)[head]
+                              : Elem<T>::to_float(static_cast<const T*>(a.sinks)[head]);
+  return o / (1.f + exp2f(s * 1.4426950408889634f - lse));
 }
 
 #define PQ_MMA_M16N8K16(AB)                                                              \

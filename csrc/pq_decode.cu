@@ -26,7 +26,6 @@ __global__ void reduce_kernel(DecodeArgs a) {
   const int req = blockIdx.x, head = blockIdx.y, slots = a.num_splits, d = a.head_dim;
   const int64_t base = ((int64_t)req * a.num_heads + head) * slots;
   const float* lse = a.ws_lse + base;
-  const float sink = a.sinks != nullptr ? load_sink<T>(a, head) : 0.f;  // in flight with lse's loads
   float mx = -CUDART_INF_F;
   bool nan = false;  // a split that read a NaN-marked key (layout.py) makes the output NaN
   for (int s = 0; s < slots; ++s) mx = fmaxf(mx, lse[s]), nan = nan || isnan(lse[s]);
@@ -42,7 +41,7 @@ __global__ void reduce_kernel(DecodeArgs a) {
       }
     }
     float o = den > 0.f ? num / den : 0.f;
-    if (a.sinks != nullptr) o = with_sink(o, sink, mx + log2f(den));
+    if (a.sinks != nullptr) o = with_sink<T>(a, head, o, mx + log2f(den));
     out[dim] = Elem<T>::from_float(nan ? CUDART_NAN_F : o);
   }
 }

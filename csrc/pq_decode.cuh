@@ -761,13 +761,6 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
         chunk(std::true_type{}, w_begin + i * kChunk, none, w_begin, w_end);
     }
 
-    // The sink of the first head this thread writes out, requested before the combine so
-    // that its latency is hidden behind it (one split only: reduce_kernel adds it otherwise).
-    float first_sink = 0.f;
-    if constexpr (SINKS) {
-      if (direct != nullptr && threadIdx.x < nh * D) first_sink = load_sink<T>(a, h0 + threadIdx.x / D);
-    }
-
     // Combine the warps: each lane's l covers its rows only; sum over r.
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
@@ -810,12 +803,7 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
       if (direct != nullptr) {
         // One split: the output, and where an attention sink joins its denominator (split
         // results stay sink-free; reduce_kernel adds it once to their merge).
-        if constexpr (SINKS) {
-          const float sink = idx == threadIdx.x ? first_sink : load_sink<T>(a, h0 + head);
-          direct[idx] = Elem<T>::from_float(with_sink(o_val, sink, mstar + log2f(den)));
-        } else {
-          direct[idx] = Elem<T>::from_float(o_val);
-        }
+        direct[idx] = Elem<T>::from_float(SINKS ? with_sink<T>(a, h0 + head, o_val, mstar + log2f(den)) : o_val);
         continue;
       }
       o_out[(int64_t)head * slots * D + dim] = o_val;

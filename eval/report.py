@@ -1017,6 +1017,32 @@ def long_calibration_sim() -> str:
         f"same text. " + source("long_calibration_sim.json")])
 
 
+@table("long-window-sim")
+def long_window_sim() -> str:
+    """Perplexity by position with one set of codebooks read through residual windows of
+    several sizes, by simulation (accuracy_sim.py --long): what the window is worth at
+    distance."""
+    data = load("long_window_sim.json")
+    ref = next(r for r in data["rows"] if r["method"] == "bf16")
+    rows = [r for r in data["rows"] if r["method"] != "bf16"]
+    buckets = list(ref["buckets"])
+    body = [["bf16 (reference)", *[f"{ref['buckets'][b][0]:.3f}" for b in buckets]]]
+    for r in rows:
+        body.append([f"K{r['bits_k']}/V{r['bits_v']} bits, W={r['window']}"
+                     + (" (every key and value through codes but BOS)" if r["window"] == 0 else ""),
+                     *[pct(r["buckets"][b][2]) for b in buckets]])
+    c = rows[0]["method_params"]
+    return "\n".join([
+        md(["residual window", *[f"positions {b}" for b in buckets]], body), "",
+        f"Simulation in transformers (`eval/accuracy_sim.py --long --windows ...`), SmolLM2-135M, "
+        f"{data['device']}, {day(data['date'])}: bf16's perplexity by the position of the predicted "
+        f"token, then the change against it, over {ref['tokens']:,} tokens of kernel.jsonl joined "
+        f"into documents of {data['max_len']:,} tokens; one codebook file (sha256 "
+        f"{rows[0]['codebook_sha256']}) calibrated on "
+        + calibration_words(c["tokens"], c["seq_len"], c.get("pack")) + ", every row from one run. "
+        + source("long_window_sim.json")])
+
+
 @table("long-context-fidelity")
 def long_context_fidelity() -> str:
     out = []

@@ -128,3 +128,13 @@ def test_results_md_shows_the_table_as_rendered():
     text = (ROOT / "docs" / "results.md").read_text()
     begin = text.index("<!-- table: long-calibration -->\n") + len("<!-- table: long-calibration -->\n")
     assert text[begin : text.index("\n<!-- /table -->", begin)] == report.TABLES["long-calibration"]()
+
+
+def test_long_window_sim_renders_every_window_of_the_recorded_run():
+    """One row per window, each from its own row of the file (not copied from another)."""
+    table = report.TABLES["long-window-sim"]()
+    assert "| bf16 (reference) | 17.813 | 11.259 | 16.158 |" in table
+    assert "| K4/V4 bits, W=0 (every key and value through codes but BOS) | +4.09% | +5.40% | +4.43% |" in table
+    assert "| K4/V4 bits, W=128 | +1.41% | +2.60% | +1.14% |" in table
+    assert "| K4/V4 bits, W=512 | +0.96% | +2.22% | +0.77% |" in table
+    assert "sha256 bb2d6f9ebae95529" in table and "8K-token packed sequences" in table

@@ -989,29 +989,37 @@ def long_calibration() -> str:
     return "\n".join(out + ["", source("long_calibration.json")])
 
 
+def sim_by_position(name: str, label) -> tuple:
+    """A simulation's perplexity by position (accuracy_sim.py --long): its rows other than
+    bf16's, their buckets, the table body (bf16's perplexity per bucket, then each other
+    row's change against it, named by ``label(row)``) and the caption's first sentence."""
+    data = load(name)
+    ref = next(r for r in data["rows"] if r["method"] == "bf16")
+    rows = [r for r in data["rows"] if r["method"] != "bf16"]
+    buckets = list(ref["buckets"])
+    body = [["bf16 (reference)", *[f"{ref['buckets'][b][0]:.3f}" for b in buckets]]]
+    body += [[label(r), *[pct(r["buckets"][b][2]) for b in buckets]] for r in rows]
+    caption = (f"Simulation in transformers (`eval/accuracy_sim.py --long`: K and V read as the "
+               f"backend reads them), SmolLM2-135M, {data['device']}, {day(data['date'])}: bf16's "
+               f"perplexity by the position of the predicted token, then each row's change against "
+               f"it, over {ref['tokens']:,} tokens of kernel.jsonl joined into documents of "
+               f"{data['max_len']:,} tokens")
+    return rows, buckets, body, caption
+
+
 @table("long-calibration-sim")
 def long_calibration_sim() -> str:
     """Perplexity by position with codebooks calibrated on short and on long sequences, by
     simulation (accuracy_sim.py --long): where the error past 2K tokens comes from."""
-    data = load("long_calibration_sim.json")
-    ref = next(r for r in data["rows"] if r["method"] == "bf16")
-    trained = next(r for r in data["rows"] if r["method"] != "bf16")["method_params"]
-    buckets = list(ref["buckets"])
-    body = [["bf16 (reference)", *[f"{ref['buckets'][b][0]:.3f}" for b in buckets]]]
-    for r in data["rows"]:
-        if r["method"] == "bf16":
-            continue
+    def label(r):
         c = r["method_params"]
-        body.append([f"K{r['bits_k']}/V{r['bits_v']} bits W={r['window']}, calibrated on "
-                     + calibration_words(c["tokens"], c["seq_len"], c.get("pack")),
-                     *[pct(r["buckets"][b][2]) for b in buckets]])
+        return (f"K{r['bits_k']}/V{r['bits_v']} bits W={r['window']}, calibrated on "
+                + calibration_words(c["tokens"], c["seq_len"], c.get("pack")))
+    rows, buckets, body, caption = sim_by_position("long_calibration_sim.json", label)
+    trained = rows[0]["method_params"]
     return "\n".join([
         md(["codebooks", *[f"positions {b}" for b in buckets]], body), "",
-        f"Simulation in transformers (`eval/accuracy_sim.py --long`: K and V read as the backend "
-        f"reads them), SmolLM2-135M, {data['device']}, {day(data['date'])}: bf16's perplexity "
-        f"by the position of the predicted token, then each set of codebooks' change against "
-        f"it, over {ref['tokens']:,} tokens of kernel.jsonl joined into documents of "
-        f"{data['max_len']:,} tokens. Both sets were trained with the same settings "
+        caption + f". Both sets were trained with the same settings "
         f"({trained['samples_per_head']:,} samples per head, "
         f"{trained['method']['niter']} k-means iterations) on the "
         f"same text. " + source("long_calibration_sim.json")])
@@ -1022,23 +1030,14 @@ def long_window_sim() -> str:
     """Perplexity by position with one set of codebooks read through residual windows of
     several sizes, by simulation (accuracy_sim.py --long): what the window is worth at
     distance."""
-    data = load("long_window_sim.json")
-    ref = next(r for r in data["rows"] if r["method"] == "bf16")
-    rows = [r for r in data["rows"] if r["method"] != "bf16"]
-    buckets = list(ref["buckets"])
-    body = [["bf16 (reference)", *[f"{ref['buckets'][b][0]:.3f}" for b in buckets]]]
-    for r in rows:
-        body.append([f"K{r['bits_k']}/V{r['bits_v']} bits, W={r['window']}"
-                     + (" (every key and value through codes but BOS)" if r["window"] == 0 else ""),
-                     *[pct(r["buckets"][b][2]) for b in buckets]])
+    def label(r):
+        return (f"K{r['bits_k']}/V{r['bits_v']} bits, W={r['window']}"
+                + (" (every key and value through codes but BOS)" if r["window"] == 0 else ""))
+    rows, buckets, body, caption = sim_by_position("long_window_sim.json", label)
     c = rows[0]["method_params"]
     return "\n".join([
         md(["residual window", *[f"positions {b}" for b in buckets]], body), "",
-        f"Simulation in transformers (`eval/accuracy_sim.py --long --windows ...`), SmolLM2-135M, "
-        f"{data['device']}, {day(data['date'])}: bf16's perplexity by the position of the predicted "
-        f"token, then the change against it, over {ref['tokens']:,} tokens of kernel.jsonl joined "
-        f"into documents of {data['max_len']:,} tokens; one codebook file (sha256 "
-        f"{rows[0]['codebook_sha256']}) calibrated on "
+        caption + f"; one codebook file (sha256 {rows[0]['codebook_sha256']}) calibrated on "
         + calibration_words(c["tokens"], c["seq_len"], c.get("pack")) + ", every row from one run. "
         + source("long_window_sim.json")])
 

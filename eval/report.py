@@ -390,10 +390,8 @@ def decode_kernel_sinks() -> str:
         md(["context", "requests", "CUSTOM 4 bits: us without / with sinks", "x FA3 with sinks",
             "CUSTOM 2 bits: us without / with sinks", "x FA3 with sinks", "FA3 bf16 with sinks us"], body),
         "", f"gpt-oss's attention ({s['q_heads']} query / {s['kv_heads']} KV heads, head_dim "
-        f"{s['head_dim']}), window {s['window']}, one decode step"
-        + (f"; {r['sinks_timing']}" if r.get("sinks_timing") else
-           "; with and without sinks on inputs built apart")
-        + f"; {r['device']}, {day(r['date'])}. " + sinks_repeat(r) + source("decode_kernel.json")])
+        f"{s['head_dim']}), window {s['window']}, one decode step; {r['sinks_timing']}; "
+        f"{r['device']}, {day(r['date'])}. " + sinks_repeat(r) + source("decode_kernel.json")])
 
 
 def sinks_repeat(main: dict) -> str:

@@ -41,15 +41,14 @@ struct Elem<__nv_bfloat16> {
   }
 };
 
-// A softmax result `o` over keys whose log2-sum-exp is `lse` (the decode kernel's log2
-// domain of scores; -inf: no keys, o = 0) with query head `head`'s attention sink
-// (DecodeArgs::sinks, non-null) joined to its denominator once: o / (1 + 2^(sink - lse)),
-// reference.add_sink's formula. A sink of -inf leaves o as it is.
+// Query head `head`'s attention sink (DecodeArgs::sinks, non-null) in the log2 domain of the
+// decode kernel's scores: a softmax over scores with maximum m gains 2^(sink_log2 - m) in its
+// denominator.
 template <typename T>
-__device__ __forceinline__ float with_sink(const DecodeArgs& a, int head, float o, float lse) {
+__device__ __forceinline__ float sink_log2(const DecodeArgs& a, int head) {
   const float s = a.sinks_f32 ? static_cast<const float*>(a.sinks)[head]
                               : Elem<T>::to_float(static_cast<const T*>(a.sinks)[head]);
-  return o / (1.f + exp2f(s * 1.4426950408889634f - lse));
+  return s * 1.4426950408889634f;
 }
 
 #define PQ_MMA_M16N8K16(AB)                                                              \

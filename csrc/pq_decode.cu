@@ -18,7 +18,7 @@ cudaError_t launch_books(uint8_t* out, const void* k_cb, const void* v_cb, int k
 namespace {
 
 // out[req, head] = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max), skipping empty splits;
-// with attention sinks, the sink joins that denominator here, once (with_sink). The splits'
+// with attention sinks, the sink joins that denominator here, once (sink_log2). The splits'
 // results are sink-free: a sink in each would count it once per split that holds keys, and
 // the output would depend on how the codes were split.
 template <typename T>
@@ -30,6 +30,7 @@ __global__ void reduce_kernel(DecodeArgs a) {
   bool nan = false;  // a split that read a NaN-marked key (layout.py) makes the output NaN
   for (int s = 0; s < slots; ++s) mx = fmaxf(mx, lse[s]), nan = nan || isnan(lse[s]);
   T* out = static_cast<T*>(a.out) + req * a.out_stride + (int64_t)head * d;
+  const float sink = a.sinks != nullptr ? sink_log2<T>(a, head) : 0.f;
   for (int dim = threadIdx.x; dim < d; dim += blockDim.x) {
     float num = 0.f, den = 0.f;
     if (mx != -CUDART_INF_F) {
@@ -40,8 +41,8 @@ __global__ void reduce_kernel(DecodeArgs a) {
         den += w;
       }
     }
-    float o = den > 0.f ? num / den : 0.f;
-    if (a.sinks != nullptr) o = with_sink<T>(a, head, o, mx + log2f(den));
+    if (a.sinks != nullptr && den > 0.f) den += exp2f(sink - mx);
+    const float o = den > 0.f ? num / den : 0.f;
     out[dim] = Elem<T>::from_float(nan ? CUDART_NAN_F : o);
   }
 }

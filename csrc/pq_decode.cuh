@@ -46,7 +46,7 @@
 // full-precision window store (its own CTAs would each reserve the codebooks' shared memory
 // for nothing). An attention sink (DecodeArgs::sinks) joins the denominator once per query,
 // where the output is written: in the item's epilogue with one split, else in reduce_kernel
-// (with_sink).
+// (sink_log2).
 #pragma once
 
 #include <math_constants.h>
@@ -141,8 +141,10 @@ struct DecodeCfg {
   static constexpr int kBarBytes = kCbSmem ? 16 : 0;
   // then the CTA's next kSched items, resolved ahead (ItemPlan, plan_items)
   static constexpr int kSchedBytes = kSched * (int)sizeof(ItemPlan) + kSched * kWarps * 4;
+  // then the attention sinks of the CTA's query heads, in the log2 domain of scores
+  static constexpr int kSinkBytes = kHeadsPerCta * 4;
   __host__ __device__ static constexpr int smem_bytes(int reserved) {
-    return stage_at(reserved) + kStageBytes + kLaneBytes + kBarBytes + kSchedBytes;
+    return stage_at(reserved) + kStageBytes + kLaneBytes + kBarBytes + kSchedBytes + kSinkBytes;
   }
   static_assert(DSK >= 2 && DSK <= 8 && DSV >= 2 && DSV <= 8 && D % 16 == 0 && MK % 8 == 0 &&
                 MV % 8 == 0, "unsupported D/M");
@@ -527,11 +529,12 @@ __device__ void plan_items(const DecodeArgs& a, int r0, ItemPlan* plans, int* pa
   pages[k * WARPS + warp] = page;
 }
 
-// SINKS: the queries have attention sinks (DecodeArgs::sinks); a template flag rather than a
-// runtime check, so that kernels without sinks carry none of its code: at the 168-register
-// limit, a check in the epilogue alone moved ptxas's allocation (head_dim 128 at 4 bits: 68
-// bytes of spills where there were none).
-template <typename T, int D, int MK, int MV, bool LUT, bool SINKS>
+// Attention sinks are a runtime flag, not a template one: the kernel with sinks is the kernel
+// without them, so both run the same main loop. As a separate instantiation, ptxas allocated
+// and scheduled its main loop anew, which cost 1-3% at 2 bits; with the flag, a sink costs a
+// shared-memory read and one term in the epilogue (the main loop's SASS is that of a kernel
+// with no sink code at all). LUT kernels never see sinks (launch_decode) and carry none.
+template <typename T, int D, int MK, int MV, bool LUT>
 __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_kernel(DecodeArgs a) {
   using C = DecodeCfg<T, D, MK, MV>;
   static_assert(!LUT || C::kCbSmem, "the LUT takes the shared-memory codebook's place");
@@ -551,6 +554,9 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
   uint64_t* books_bar = reinterpret_cast<uint64_t*>(pq_smem + stage_at + C::kStageBytes + C::kLaneBytes);
   ItemPlan* plans = reinterpret_cast<ItemPlan*>(pq_smem + stage_at + C::kStageBytes + C::kLaneBytes + C::kBarBytes);
   int* first_pages = reinterpret_cast<int*>(plans + kSched);  // [kSched][kWarps]
+  float* sink_l2 = reinterpret_cast<float*>(first_pages + kSched * C::kWarps);  // [kHeadsPerCta]
+  const bool sinks = !LUT && a.sinks != nullptr;
+  if (sinks && threadIdx.x < nh) sink_l2[threadIdx.x] = sink_log2<T>(a, h0 + threadIdx.x);
   // The codebooks, once for all of this CTA's items, in flight while the first codes load.
   bool books_ready = !C::kCbSmem;
   uint8_t* stage = pq_smem + stage_at + warp * kChunk * MK;  // K codes, past the codebooks
@@ -799,13 +805,14 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
         }
       }
       // den is 0 (no keys), positive, or NaN (a NaN-marked key, layout.py): NaN propagates
-      const float o_val = den != 0.f ? num / den : 0.f;
       if (direct != nullptr) {
         // One split: the output, and where an attention sink joins its denominator (split
         // results stay sink-free; reduce_kernel adds it once to their merge).
-        direct[idx] = Elem<T>::from_float(SINKS ? with_sink<T>(a, h0 + head, o_val, mstar + log2f(den)) : o_val);
+        if (sinks && den != 0.f) den += exp2f(sink_l2[head] - mstar);
+        direct[idx] = Elem<T>::from_float(den != 0.f ? num / den : 0.f);
         continue;
       }
+      const float o_val = den != 0.f ? num / den : 0.f;
       o_out[(int64_t)head * slots * D + dim] = o_val;
       if (dim == 0) lse_out[head * slots] = den != 0.f ? mstar + log2f(den) : -CUDART_INF_F;
     }
@@ -845,7 +852,7 @@ cudaError_t launch_books(uint8_t* out, const void* k_cb, const void* v_cb, int k
   }
 }
 
-template <typename T, int D, int MK, int MV, bool LUT, bool SINKS>
+template <typename T, int D, int MK, int MV, bool LUT>
 cudaError_t launch_kernel(const DecodeArgs& a, cudaStream_t stream) {
   using C = DecodeCfg<T, D, MK, MV>;
   // Set per call, not cached per process: the attribute belongs to the current device.
@@ -854,27 +861,26 @@ cudaError_t launch_kernel(const DecodeArgs& a, cudaStream_t stream) {
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev);
   if (err != cudaSuccess) return err;
   const int smem = C::smem_bytes(reserved);
-  err = cudaFuncSetAttribute(decode_kernel<T, D, MK, MV, LUT, SINKS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  err = cudaFuncSetAttribute(decode_kernel<T, D, MK, MV, LUT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              smem);
   if (err != cudaSuccess) return err;
   const int group = a.num_heads / a.num_kv_heads;
   const int items = a.num_reqs * a.num_splits;
   dim3 grid(a.num_ctas > 0 ? min(a.num_ctas, items) : items, a.num_kv_heads * ceil_div(group, kHeadsPerCta));
-  decode_kernel<T, D, MK, MV, LUT, SINKS><<<grid, C::kThreads, smem, stream>>>(a);
+  decode_kernel<T, D, MK, MV, LUT><<<grid, C::kThreads, smem, stream>>>(a);
   return cudaGetLastError();
 }
 
 // a.lut asks for lookup-table scores; they exist for one query head per KV head with the
 // codebooks in shared memory, else the MMA path runs. Attention sinks take the MMA path (a
-// model with sinks and one query head per KV head gives up the tables' 7% at most, and a
-// fourth kernel per shape is not built).
+// model with sinks and one query head per KV head gives up the tables' 7% at most, and the
+// LUT kernel carries no sink code).
 template <typename T, int D, int MK, int MV>
 cudaError_t launch_decode(const DecodeArgs& a, cudaStream_t stream) {
-  if (a.sinks != nullptr) return launch_kernel<T, D, MK, MV, false, true>(a, stream);
   if constexpr (DecodeCfg<T, D, MK, MV>::kCbSmem) {
-    if (a.lut && a.num_heads == a.num_kv_heads) return launch_kernel<T, D, MK, MV, true, false>(a, stream);
+    if (a.lut && a.sinks == nullptr && a.num_heads == a.num_kv_heads) return launch_kernel<T, D, MK, MV, true>(a, stream);
   }
-  return launch_kernel<T, D, MK, MV, false, false>(a, stream);
+  return launch_kernel<T, D, MK, MV, false>(a, stream);
 }
 
 }  // namespace pq

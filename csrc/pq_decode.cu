@@ -26,11 +26,11 @@ __global__ void reduce_kernel(DecodeArgs a) {
   const int req = blockIdx.x, head = blockIdx.y, slots = a.num_splits, d = a.head_dim;
   const int64_t base = ((int64_t)req * a.num_heads + head) * slots;
   const float* lse = a.ws_lse + base;
+  const float sink = a.sinks != nullptr ? sink_log2<T>(a, head) : 0.f;  // (in flight with lse's loads)
   float mx = -CUDART_INF_F;
   bool nan = false;  // a split that read a NaN-marked key (layout.py) makes the output NaN
   for (int s = 0; s < slots; ++s) mx = fmaxf(mx, lse[s]), nan = nan || isnan(lse[s]);
   T* out = static_cast<T*>(a.out) + req * a.out_stride + (int64_t)head * d;
-  const float sink = a.sinks != nullptr ? sink_log2<T>(a, head) : 0.f;
   for (int dim = threadIdx.x; dim < d; dim += blockDim.x) {
     float num = 0.f, den = 0.f;
     if (mx != -CUDART_INF_F) {

@@ -404,7 +404,7 @@ def sinks_repeat(main: dict) -> str:
     if rep is None:
         return ""
     return (f"The largest cost of sinks: {worst(main)} here; {worst(rep)} in a repeat of the same "
-            f"kernel on another {rep['device']} machine, {day(rep['date'])}. ")
+            f"kernel ({rep['device']}, {day(rep['date'])}). ")
 
 
 @table("prefill")

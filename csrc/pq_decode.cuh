@@ -532,8 +532,8 @@ __device__ void plan_items(const DecodeArgs& a, int r0, ItemPlan* plans, int* pa
 // Attention sinks are a runtime flag, not a template one: the kernel with sinks is the kernel
 // without them, so both run the same main loop. As a separate instantiation, ptxas allocated
 // and scheduled its main loop anew, which cost 1-3% at 2 bits; with the flag, a sink costs a
-// shared-memory read and one term in the epilogue (the main loop's SASS is that of a kernel
-// with no sink code at all). LUT kernels never see sinks (launch_decode) and carry none.
+// shared-memory read and one term in the epilogue (at head_dim 64 and 128 the main loop's
+// SASS is that of a kernel with no sink code). LUT kernels never see sinks and carry none.
 template <typename T, int D, int MK, int MV, bool LUT>
 __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_kernel(DecodeArgs a) {
   using C = DecodeCfg<T, D, MK, MV>;

@@ -485,7 +485,7 @@ def main() -> int:
                                  text=[os.path.basename(x) for x in args.fidelity_text]),
                    haystack=[os.path.basename(x) for x in args.haystack],
                    max_model_len=args.max_model_len, gpus=len(set(args.gpus or ["0"])),
-                   workers=len(args.gpus or [0]), engines=[], retrieval=[],
+                   workers=len(args.gpus or ["0"]), engines=[], retrieval=[],
                    fidelity_rows=[])
     results = [json.load(open(raw_path(i))) if os.path.exists(raw_path(i))
                else dict(error="no result: its worker stopped first") for i in range(len(engines))]

@@ -400,9 +400,7 @@ def sinks_repeat(main: dict) -> str:
     def worst(r):
         x = max(r["rows"], key=lambda x: x["custom_sinks_us"] / x["custom_us"])
         return f"{x['custom_sinks_us'] / x['custom_us'] - 1:+.1%} ({ctx(x['context'])} x {x['batch']}, {x['bits']} bits)"
-    rep = next((r for r in runs("decode_kernel.json") if r.get("run") == "h200_gpt-oss_sinks_repeat"), None)
-    if rep is None:
-        return ""
+    rep = run("decode_kernel.json", "h200_gpt-oss_sinks_repeat")
     return (f"The largest cost of sinks: {worst(main)} here; {worst(rep)} in a repeat of the same "
             f"kernel ({rep['device']}, {day(rep['date'])}). ")
 

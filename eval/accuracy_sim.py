@@ -12,6 +12,23 @@ On the same documents it agreed with vLLM within 0.06 points of perplexity chang
 
 Configurations are named in CONFIGS (a Method each, or pre-RoPE keys); bits are K/V bits
 per element. Writes one row per (configuration, bits, window, domain) to --out.
+
+``--exact SPEC ...`` also scores every set of codebooks with more of K and V kept in full
+precision, one idea each (what it would be worth, and where the error sits):
+  rows:F   the fraction F of each layer's and KV head's keys, and of its values, whose
+           codes err most (relative L2) read exactly: a sparse store of whole vectors,
+           16 x F more bits per element;
+  elems:F  the fraction F of each layer's and KV head's elements of K and of V whose codes
+           err most, read exactly (dense-and-sparse, as KVQuant or MUSTAFAR): about 24 x F
+           more bits per element (a 16-bit value and an 8-bit index);
+  mass:N   the N keys of each layer and KV head (BOS aside) that draw the most attention
+           over the whole document, K and V read exactly: an oracle for keeping exact the
+           tokens where attention concentrates, as attention-sink or heavy-hitter caches do.
+
+    python eval/accuracy_sim.py --model eval/data/smollm2 --configs --long --max-len 8192 \
+        --docs 16 --eval kernel=eval/data/text/kernel.jsonl \
+        --codebooks eval/data/smollm2/pq/codebooks_m32.safetensors \
+        --exact rows:0.01 elems:0.01 mass:32 --out eval/results/long_exact_sim.json
 """
 
 from __future__ import annotations
@@ -82,6 +99,47 @@ def dequant(x, cb, t):
     return rec if t is None else torch.einsum("nhe,hed->nhd", rec, torch.linalg.inv(t))
 
 
+def exact_spec(spec: str) -> tuple[str, float]:
+    """``rows:F`` / ``elems:F`` (0 < F < 1) or ``mass:N`` (N >= 1) as (kind, amount)."""
+    kind, _, amount = spec.partition(":")
+    try:
+        x = float(amount)
+    except ValueError:
+        x = -1.0
+    ok = (0 < x < 1) if kind in ("rows", "elems") else (x >= 1 and x == int(x)) if kind == "mass" else False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"{spec!r}: expected rows:F or elems:F with 0 < F < 1, "
+                                         f"or mass:N with N a whole number >= 1")
+    return kind, x
+
+
+def keep_exact(kind: str, amount: float, x, xq, mass=None):
+    """``xq [T, H, d]`` (codes read back) with part of it replaced by the exact ``x``: per KV
+    head, the ``rows`` or ``elems`` fraction whose codes err most, or the ``mass`` keys that
+    draw the most attention (``mass [H, T]``, position 0 excluded: it is pinned already)."""
+    t, h, d = x.shape
+    out = xq.clone()
+    if kind == "rows":
+        err = ((x - xq) ** 2).sum(-1) / (x * x).sum(-1).clamp_min(1e-30)  # [T, H]
+        err[0] = -1
+        sel = err.topk(max(1, math.ceil(amount * t)), dim=0).indices  # [n, H]
+        heads = torch.arange(h, device=x.device).expand_as(sel)
+        out[sel, heads] = x[sel, heads]
+    elif kind == "elems":
+        err = (x - xq).abs().transpose(0, 1).reshape(h, t * d)  # [H, T*d]
+        sel = err.topk(max(1, math.ceil(amount * t * d)), dim=1).indices
+        flat = out.transpose(0, 1).reshape(h, t * d)
+        flat.scatter_(1, sel, x.transpose(0, 1).reshape(h, t * d).gather(1, sel))
+        out = flat.view(h, t, d).transpose(0, 1)
+    else:
+        m = mass.clone()
+        m[:, 0] = -1
+        sel = m.topk(min(int(amount), t), dim=1).indices.T  # [N, H]
+        heads = torch.arange(h, device=x.device).expand_as(sel)
+        out[sel, heads] = x[sel, heads]
+    return out
+
+
 class Sim:
     """transformers attention function: exact, or through one layer set of codebooks."""
 
@@ -94,6 +152,7 @@ class Sim:
         self.rope = None  # (cos, sin) [T, d] of the current document
         self.parts = "kv"  # which of K and V are read through codes
         self.layers = None  # the layers that are quantized (None: all)
+        self.exact = None  # (kind, amount) of keep_exact, or None
 
     def __call__(self, module, q, k, v, mask, scaling=None, **kw):
         t = k.shape[2]
@@ -122,6 +181,14 @@ class Sim:
         vq = dequant(vv, b["v"], b["v_transform"]) if "v" in self.parts else vv
         if b["sink"]:  # position 0 is exact (pinned) in every codebook
             kq[0], vq[0] = kk[0], vv[0]
+        if self.exact is not None:
+            kind, amount = self.exact
+            mass = None
+            if kind == "mass":  # attention each key draws from every query, exact K and V
+                p = (qf @ rep(kk).transpose(1, 2) * scaling).masked_fill(~causal, float("-inf")).softmax(-1)
+                mass = p.sum(1).view(k.shape[1], g, t).sum(1)
+            kq = keep_exact(kind, amount, kk, kq, mass) if "k" in self.parts else kq
+            vq = keep_exact(kind, amount, vv, vq, mass) if "v" in self.parts else vq
         exact = causal & (pos.view(1, -1) >= window_start(pos, self.window).view(-1, 1))
         s = torch.where(exact, qf @ rep(kk).transpose(1, 2), qf @ rep(kq).transpose(1, 2))
         p = (s * scaling).masked_fill(~causal, float("-inf")).softmax(-1)
@@ -163,6 +230,9 @@ def main() -> int:
     p.add_argument("--windows", type=int, nargs="+", default=[128])
     p.add_argument("--parts", nargs="+", default=["kv"], choices=["kv", "k", "v"],
                    help="also score with only K or only V through codes (where the error is)")
+    p.add_argument("--exact", nargs="+", default=[], type=exact_spec, metavar="SPEC",
+                   help="also score each set of codebooks with more kept exact: rows:F, "
+                   "elems:F or mass:N (see above)")
     p.add_argument("--layer-groups", type=int, default=0,
                    help="also score with only each group of this many layers quantized")
     p.add_argument("--docs", type=int, default=64, help="documents per domain")
@@ -229,18 +299,20 @@ def main() -> int:
                      for i in range(cfg.num_hidden_layers)]
         sim.pre_rope = perm.to(dev) if pre else None
         n_layers, g = cfg.num_hidden_layers, a.layer_groups
-        variants = [(part, None) for part in a.parts] + [
-            ("kv", range(i, min(i + g, n_layers))) for i in range(0, n_layers if g else 0, g or 1)]
+        variants = [(part, None, None) for part in a.parts] + [
+            ("kv", range(i, min(i + g, n_layers)), None) for i in range(0, n_layers if g else 0, g or 1)] + [
+            ("kv", None, spec) for spec in a.exact]
         for w in a.windows:
             sim.window = w
-            for part, layers in variants:
-                sim.parts, sim.layers = part, layers
+            for part, layers, exact in variants:
+                sim.parts, sim.layers, sim.exact = part, layers, exact
                 for name, docs in domains.items():
                     ppl, n, buckets = perplexity(model, docs, sim, dev)
                     rows.append(dict(
                         method=cname, bits_k=8 * mk // d, bits_v=8 * mv // d, m_k=mk, m_v=mv,
                         window=w, pre_rope=pre, quantized=part,
                         layers="all" if layers is None else f"{layers.start}-{layers.stop - 1}",
+                        exact=None if exact is None else f"{exact[0]}:{exact[1]:g}",
                         eval_text=name, ppl=ppl, ppl_bf16=base[name][0],
                         delta_pct=round(100 * (ppl / base[name][0] - 1), 3),
                         train_seconds=train_s, method_params=method,
@@ -249,7 +321,7 @@ def main() -> int:
                         rows[-1]["buckets"] = {k: [p_, t, round(100 * (p_ / base[name][2][k][0] - 1), 3)]
                                                for k, (p_, t) in buckets.items()}
                     print(f"{cname:24s} K{8 * mk // d}/V{8 * mv // d} W={w:4d} {part:2s} "
-                          f"{rows[-1]['layers']:5s} {name:8s}: ppl {ppl:.4f} "
+                          f"{rows[-1]['layers']:5s} {rows[-1]['exact'] or '':11s} {name:8s}: ppl {ppl:.4f} "
                           f"({rows[-1]['delta_pct']:+.2f}%)"
                           + "".join(f"; {k} {v[2]:+.2f}%" for k, v in rows[-1].get("buckets", {}).items()),
                           flush=True)

@@ -21,9 +21,14 @@ precision, one idea each (what it would be worth, and where the error sits):
   elems:F  the fraction F of each layer's and KV head's elements of K and of V whose codes
            err most, read exactly (dense-and-sparse, as KVQuant or MUSTAFAR): about 24 x F
            more bits per element (a 16-bit value and an 8-bit index);
+  vec:R    the R elements of every key and every value whose codes err most, read exactly:
+           the same idea with a fixed count per vector (a layout a kernel reads in step),
+           R x 24 / head_dim more bits per element;
   mass:N   the N keys of each layer and KV head (BOS aside) that draw the most attention
            over the whole document, K and V read exactly: an oracle for keeping exact the
-           tokens where attention concentrates, as attention-sink or heavy-hitter caches do.
+           tokens where attention concentrates, as attention-sink or heavy-hitter caches do;
+  first:N  positions 1 to N read exactly (BOS is already): the sink tokens of StreamingLLM,
+           a choice that needs no oracle.
 
     python eval/accuracy_sim.py --model eval/data/smollm2 --configs --long --max-len 8192 \
         --docs 16 --eval kernel=eval/data/text/kernel.jsonl \
@@ -100,23 +105,26 @@ def dequant(x, cb, t):
 
 
 def exact_spec(spec: str) -> tuple[str, float]:
-    """``rows:F`` / ``elems:F`` (0 < F < 1) or ``mass:N`` (N >= 1) as (kind, amount)."""
+    """``rows:F`` / ``elems:F`` (0 < F < 1) or ``vec:N`` / ``mass:N`` / ``first:N`` (N >= 1)
+    as (kind, amount)."""
     kind, _, amount = spec.partition(":")
     try:
         x = float(amount)
     except ValueError:
         x = -1.0
-    ok = (0 < x < 1) if kind in ("rows", "elems") else (x >= 1 and x == int(x)) if kind == "mass" else False
+    ok = (0 < x < 1) if kind in ("rows", "elems") else \
+        (x >= 1 and x == int(x)) if kind in ("vec", "mass", "first") else False
     if not ok:
         raise argparse.ArgumentTypeError(f"{spec!r}: expected rows:F or elems:F with 0 < F < 1, "
-                                         f"or mass:N with N a whole number >= 1")
+                                         f"or vec:N, mass:N or first:N with N a whole number >= 1")
     return kind, x
 
 
 def keep_exact(kind: str, amount: float, x, xq, mass=None):
     """``xq [T, H, d]`` (codes read back) with part of it replaced by the exact ``x``: per KV
-    head, the ``rows`` or ``elems`` fraction whose codes err most, or the ``mass`` keys that
-    draw the most attention (``mass [H, T]``, position 0 excluded: it is pinned already)."""
+    head, the ``rows`` or ``elems`` fraction whose codes err most, the ``vec`` elements of
+    each vector that err most, the ``mass`` keys that draw the most attention (``mass
+    [H, T]``), or the ``first`` positions; position 0 is pinned already."""
     t, h, d = x.shape
     out = xq.clone()
     if kind == "rows":
@@ -131,6 +139,11 @@ def keep_exact(kind: str, amount: float, x, xq, mass=None):
         flat = out.transpose(0, 1).reshape(h, t * d)
         flat.scatter_(1, sel, x.transpose(0, 1).reshape(h, t * d).gather(1, sel))
         out = flat.view(h, t, d).transpose(0, 1)
+    elif kind == "vec":
+        sel = (x - xq).abs().topk(min(int(amount), d), dim=-1).indices  # [T, H, R]
+        out.scatter_(-1, sel, x.gather(-1, sel))
+    elif kind == "first":
+        out[1 : int(amount) + 1] = x[1 : int(amount) + 1]
     else:
         m = mass.clone()
         m[:, 0] = -1

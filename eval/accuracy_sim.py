@@ -303,7 +303,7 @@ def main() -> int:
 
     perm = rope_pairs(d)
 
-    def score(cname, books, mk, mv, pre, method, train_s, pinned):
+    def score(cname, books, mk, mv, pre, method, train_s, pinned, digest=None):
         """Every window, part and layer group of one set of codebooks, on every domain."""
         sim.books = [dict(k=books["k"][i].to(dev), v=books["v"][i].to(dev),
                           k_transform=None if books["k_transform"] is None else books["k_transform"][i].to(dev),
@@ -329,7 +329,8 @@ def main() -> int:
                         eval_text=name, ppl=ppl, ppl_bf16=base[name][0],
                         delta_pct=round(100 * (ppl / base[name][0] - 1), 3),
                         train_seconds=train_s, method_params=method,
-                        rel_mse_k=books.get("rel_mse_k"), rel_mse_v=books.get("rel_mse_v")))
+                        rel_mse_k=books.get("rel_mse_k"), rel_mse_v=books.get("rel_mse_v"),
+                        **({"codebook_sha256": digest} if digest else {})))
                     if a.long:  # [perplexity, tokens, change against bf16 in %] per bucket
                         rows[-1]["buckets"] = {k: [p_, t, round(100 * (p_ / base[name][2][k][0] - 1), 3)]
                                                for k, (p_, t) in buckets.items()}
@@ -351,11 +352,8 @@ def main() -> int:
                 books[key].append(val)
         books = {key: None if val[0] is None else torch.stack(val) for key, val in books.items()}
         cal = codebooks.calibration_of(info)
-        done = len(rows)
-        score(path, books, info.m_k, info.m_v, False, cal, None, bool(cal.get("pinned_bos_sink")))
-        digest = codebook_meta(path)["codebook_sha256"]
-        for r in rows[done:]:
-            r["codebook_sha256"] = digest
+        score(path, books, info.m_k, info.m_v, False, cal, None, bool(cal.get("pinned_bos_sink")),
+              codebook_meta(path)["codebook_sha256"])
     for bits in a.bits:
         bk, bv = (int(x) for x in bits.split("/"))
         mk, mv = bk * d // 8, bv * d // 8

@@ -1038,6 +1038,88 @@ def long_window_sim() -> str:
         + source("long_window_sim.json")])
 
 
+def exact_idea(r: dict, doc_tokens: int) -> tuple[str, str]:
+    """What an ``accuracy_sim.py --exact`` row keeps exact, and its bits per element: the
+    codes' bits, plus what the exact part would take (16-bit values; 8-bit element
+    indices; a token set's cost spread over a document of ``doc_tokens``)."""
+    bits = (r["bits_k"] + r["bits_v"]) / 2
+    if not r.get("exact"):
+        return "nothing more (the residual window and BOS)", f"{bits:g}"
+    kind, amount = r["exact"].split(":")
+    x = float(amount)
+    head_dim = 8 * r["m_k"] // r["bits_k"]
+    idea, extra = {
+        "rows": (f"the {x:.0%} of keys and of values whose codes err most", 16 * x),
+        "elems": (f"the {x:.0%} of K and V elements whose codes err most", 24 * x),
+        "vec": (f"the {x:g} element{'s' * (x > 1)} of each key and value whose codes err most",
+                24 * x / head_dim),
+        "mass": (f"the {x:g} keys and values per layer and KV head that draw the most "
+                 "attention (chosen with hindsight)", 16 * x / doc_tokens),
+        "first": (f"positions 1 to {x:g}", 16 * x / doc_tokens),
+    }[kind]
+    return idea, f"{bits + extra:.2f}"
+
+
+def exact_rows(name: str) -> tuple[dict, list[dict]]:
+    data = load(name)
+    return data, [r for r in data["rows"] if r["method"] != "bf16"]
+
+
+@table("exact-sim-long")
+def exact_sim_long() -> str:
+    """What keeping more of K and V exact would be worth at distance, by simulation
+    (accuracy_sim.py --long --exact), every bit width."""
+    files = ("long_exact_sim.json", "long_exact_sim_low_bits.json")
+    body, meta = [], []
+    for name in files:
+        data, rs = exact_rows(name)
+        meta.append(data)
+        for r in rs:
+            idea, bits = exact_idea(r, data["max_len"])
+            body.append([custom_name(r["bits_k"], r["bits_v"]).removeprefix("CUSTOM "), idea, bits,
+                         *[pct(v[2]) for v in r["buckets"].values()], pct(r["delta_pct"])])
+    buckets = list(exact_rows(files[0])[1][0]["buckets"])
+    ref = next(r for r in meta[0]["rows"] if r["method"] == "bf16")
+    books = ", ".join(f"{custom_name(r['bits_k'], r['bits_v']).removeprefix('CUSTOM ')} "
+                      f"{r['codebook_sha256']}" for d in meta for r in d["rows"]
+                      if r.get("codebook_sha256") and not r.get("exact"))
+    return "\n".join([
+        md(["codes", "also read exactly", "bits per element", *[f"positions {b}" for b in buckets],
+            "all"], body), "",
+        f"Simulation in transformers (`eval/accuracy_sim.py --long --exact`: K and V read as the "
+        f"backend reads them, then the named part exact), SmolLM2-135M, "
+        f"{devices(meta)}, {day(meta[0]['date'])}: perplexity change against bf16 by the "
+        f"position of the predicted token, over {ref['tokens']:,} tokens of kernel.jsonl joined "
+        f"into documents of {meta[0]['max_len']:,} tokens; window 128; codebooks from "
+        f"`calibrate`'s defaults (sha256 {books}), each read every way in one run. Bits per "
+        f"element: the codes', plus 16 bits per exact value and 8 per element index; a set of "
+        f"tokens is spread over the document. " + source(*files)])
+
+
+@table("exact-sim")
+def exact_sim() -> str:
+    """The same at 2K tokens on the three domains (accuracy_sim.py --exact)."""
+    data, rs = exact_rows("exact_sim.json")
+    groups = {}
+    for r in rs:
+        groups.setdefault((r["method"], r.get("exact")), []).append(r)
+    body = []
+    for (_, _), g in groups.items():
+        idea, bits = exact_idea(g[0], data["max_len"])
+        body.append([custom_name(g[0]["bits_k"], g[0]["bits_v"]).removeprefix("CUSTOM "), idea,
+                     bits, sim_cells(g)])
+    r0 = rs[0]
+    c = r0["method_params"]
+    return "\n".join([
+        md(["codes", "also read exactly", "bits per element", "kernel / fortunes / python"], body), "",
+        f"Simulation in transformers (`eval/accuracy_sim.py --exact`), SmolLM2-135M, "
+        f"{data['device']}, {day(data['date'])}: perplexity change against bf16 in %, "
+        f"{data['docs_per_domain']} documents per domain cut at {data['max_len']:,} tokens; "
+        f"window 128; one codebook file (sha256 {r0['codebook_sha256']}) calibrated on "
+        + calibration_words(c["tokens"], c["seq_len"], c.get("pack")) + ", read every way in "
+        "one run. " + source("exact_sim.json")])
+
+
 @table("long-context-fidelity")
 def long_context_fidelity() -> str:
     out = []

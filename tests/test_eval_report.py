@@ -138,3 +138,24 @@ def test_long_window_sim_renders_every_window_of_the_recorded_run():
     assert "| K4/V4 bits, W=128 | +1.41% | +2.60% | +1.14% |" in table
     assert "| K4/V4 bits, W=512 | +0.96% | +2.22% | +0.77% |" in table
     assert "sha256 bb2d6f9ebae95529" in table and "8K-token packed sequences" in table
+
+
+def test_exact_sim_tables_render_each_recorded_row():
+    """Every bit width's rows of the long run, and the 2K run's rows, each from its own
+    row of the files, bits per element from what the row keeps exact."""
+    table = report.TABLES["exact-sim-long"]()
+    assert "| 4 bits | nothing more (the residual window and BOS) | 4 | +1.13% | +1.89% | +0.89% | +1.20% |" in table
+    assert "| 4 bits | the 1% of K and V elements whose codes err most | 4.24 | +0.48% | +0.54% | +0.45% | +0.48% |" in table
+    assert "| K4/V2 (3 bits) | the 4% of K and V elements whose codes err most | 3.96 |" in table
+    assert "| 2 bits | the 1% of keys and of values whose codes err most | 2.16 | +5.42% |" in table
+    assert "4 bits 89ce7c1d7216057e" in table and "2 bits b88c18acfa3b5840" in table
+    short = report.TABLES["exact-sim"]()
+    assert "| 4 bits | the 1% of K and V elements whose codes err most | 4.24 | +0.27 / +0.13 / +0.12 |" in short
+    assert "sha256 119e34e236245205" in short and "2K-token sequences" in short
+
+
+@pytest.mark.parametrize("exact, bits", [(None, "4"), ("rows:0.01", "4.16"), ("elems:0.04", "4.96"),
+                                         ("vec:1", "4.38"), ("mass:16", "4.03"), ("first:16", "4.03")])
+def test_exact_bits_per_element(exact, bits):
+    r = dict(bits_k=4, bits_v=4, m_k=32, exact=exact)  # head_dim 64
+    assert report.exact_idea(r, 8192)[1] == bits

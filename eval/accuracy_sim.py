@@ -21,6 +21,9 @@ precision, one idea each (what it would be worth, and where the error sits):
   elems:F  the fraction F of each layer's and KV head's elements of K and of V whose codes
            err most, read exactly (dense-and-sparse, as KVQuant or MUSTAFAR): about 24 x F
            more bits per element (a 16-bit value and an 8-bit index);
+  page:P   in every block of 128 positions, the P keys and the P values of each KV head
+           whose codes err most, read exactly: the rows store kept inside vLLM's pages,
+           16 x P / 128 more bits per element;
   vec:R    the R elements of every key and every value whose codes err most, read exactly:
            the same idea with a fixed count per vector (a layout a kernel reads in step),
            R x 24 / head_dim more bits per element;
@@ -104,25 +107,29 @@ def dequant(x, cb, t):
     return rec if t is None else torch.einsum("nhe,hed->nhd", rec, torch.linalg.inv(t))
 
 
+PAGE = 128  # the backend's default block size, for page:P
+
+
 def exact_spec(spec: str) -> tuple[str, float]:
-    """``rows:F`` / ``elems:F`` (0 < F < 1) or ``vec:N`` / ``mass:N`` / ``first:N`` (N >= 1)
-    as (kind, amount)."""
+    """``rows:F`` / ``elems:F`` (0 < F < 1) or ``page:N`` / ``vec:N`` / ``mass:N`` /
+    ``first:N`` (N >= 1) as (kind, amount)."""
     kind, _, amount = spec.partition(":")
     try:
         x = float(amount)
     except ValueError:
         x = -1.0
     ok = (0 < x < 1) if kind in ("rows", "elems") else \
-        (x >= 1 and x == int(x)) if kind in ("vec", "mass", "first") else False
+        (x >= 1 and x == int(x)) if kind in ("page", "vec", "mass", "first") else False
     if not ok:
         raise argparse.ArgumentTypeError(f"{spec!r}: expected rows:F or elems:F with 0 < F < 1, "
-                                         f"or vec:N, mass:N or first:N with N a whole number >= 1")
+                                         f"or page:N, vec:N, mass:N or first:N with N a whole number >= 1")
     return kind, x
 
 
 def keep_exact(kind: str, amount: float, x, xq, mass=None):
     """``xq [T, H, d]`` (codes read back) with part of it replaced by the exact ``x``: per KV
-    head, the ``rows`` or ``elems`` fraction whose codes err most, the ``vec`` elements of
+    head, the ``rows`` or ``elems`` fraction whose codes err most, the ``page`` rows of every
+    block of PAGE positions that err most, the ``vec`` elements of
     each vector that err most, the ``mass`` keys that draw the most attention (``mass
     [H, T]``), or the ``first`` positions; position 0 is pinned already."""
     t, h, d = x.shape
@@ -139,6 +146,14 @@ def keep_exact(kind: str, amount: float, x, xq, mass=None):
         flat = out.transpose(0, 1).reshape(h, t * d)
         flat.scatter_(1, sel, x.transpose(0, 1).reshape(h, t * d).gather(1, sel))
         out = flat.view(h, t, d).transpose(0, 1)
+    elif kind == "page":
+        err = ((x - xq) ** 2).sum(-1) / (x * x).sum(-1).clamp_min(1e-30)  # [T, H]
+        err[0] = -1
+        for lo in range(0, t, PAGE):
+            blk = err[lo : lo + PAGE]
+            sel = blk.topk(min(int(amount), len(blk)), dim=0).indices + lo  # [P, H]
+            heads = torch.arange(h, device=x.device).expand_as(sel)
+            out[sel, heads] = x[sel, heads]
     elif kind == "vec":
         sel = (x - xq).abs().topk(min(int(amount), d), dim=-1).indices  # [T, H, R]
         out.scatter_(-1, sel, x.gather(-1, sel))

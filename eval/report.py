@@ -1051,6 +1051,8 @@ def exact_idea(r: dict, doc_tokens: int) -> tuple[str, str]:
     idea, extra = {
         "rows": (f"the {x:.0%} of keys and of values whose codes err most", 16 * x),
         "elems": (f"the {x:.0%} of K and V elements whose codes err most", 24 * x),
+        "page": (f"in every 128-position page, the {x:g} key{'s' * (x > 1)} and the {x:g} "
+                 f"value{'s' * (x > 1)} whose codes err most", 16 * x / 128),  # accuracy_sim.PAGE
         "vec": (f"the {x:g} element{'s' * (x > 1)} of each key and value whose codes err most",
                 24 * x / head_dim),
         "mass": (f"the {x:g} keys and values per layer and KV head that draw the most "

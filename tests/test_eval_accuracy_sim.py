@@ -79,7 +79,7 @@ def test_first_keeps_the_first_positions_after_bos(pair):
     assert torch.equal(out[0], xq[0]) and torch.equal(out[5:], xq[5:])
 
 
-@pytest.mark.parametrize("spec", ["rows:0", "rows:1", "elems:2", "vec:0", "vec:1.5", "mass:x",
+@pytest.mark.parametrize("spec", ["rows:0", "rows:1", "elems:2", "vec:0", "vec:1.5", "page:0", "mass:x",
                                   "first:-3", "heavy:4", "rows"])
 def test_a_malformed_spec_is_refused(spec):
     with pytest.raises(argparse.ArgumentTypeError, match="expected rows:F"):
@@ -89,4 +89,21 @@ def test_a_malformed_spec_is_refused(spec):
 def test_specs_parse():
     assert exact_spec("rows:0.01") == ("rows", 0.01)
     assert exact_spec("vec:2") == ("vec", 2.0)
+    assert exact_spec("page:1") == ("page", 1.0)
     assert exact_spec("first:16") == ("first", 16.0)
+
+
+def test_page_keeps_the_rows_that_err_most_in_every_block(pair, monkeypatch):
+    import accuracy_sim
+
+    monkeypatch.setattr(accuracy_sim, "PAGE", 16)
+    x, xq = pair
+    out = keep_exact("page", 2, x, xq)
+    kept = exact_mask(x, xq, out).all(-1)
+    err = ((x - xq) ** 2).sum(-1) / (x * x).sum(-1)
+    err[0] = -1
+    for h in range(H):
+        for lo in range(0, T, 16):
+            blk = err[lo : lo + 16, h]
+            want = set((blk.topk(2).indices + lo).tolist())
+            assert set(kept[lo : lo + 16, h].nonzero()[:, 0].add(lo).tolist()) == want

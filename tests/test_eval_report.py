@@ -155,7 +155,8 @@ def test_exact_sim_tables_render_each_recorded_row():
 
 
 @pytest.mark.parametrize("exact, bits", [(None, "4"), ("rows:0.01", "4.16"), ("elems:0.04", "4.96"),
-                                         ("vec:1", "4.38"), ("mass:16", "4.03"), ("first:16", "4.03")])
+                                         ("vec:1", "4.38"), ("page:2", "4.25"), ("mass:16", "4.03"),
+                                         ("first:16", "4.03")])
 def test_exact_bits_per_element(exact, bits):
     r = dict(bits_k=4, bits_v=4, m_k=32, exact=exact)  # head_dim 64
     assert report.exact_idea(r, 8192)[1] == bits

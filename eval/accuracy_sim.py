@@ -312,7 +312,7 @@ def main() -> int:
     stamp = dict(provenance(None if dev.startswith("cuda") else "cpu"), model=a.model,
                  calib_text=a.calib, calib_tokens=total, capture_seconds=round(capture_s, 1),
                  calib_samples=a.samples, shuffle_docs=a.shuffle_docs, max_len=a.max_len,
-                 docs_per_domain=a.docs, packed_docs=a.long,
+                 docs_per_domain=a.docs, packed_docs=a.long, dtype=a.dtype,
                  eval_text=paths,
                  note="simulation in transformers; 'ppl_bf16' is the same run unquantized")
 

@@ -160,3 +160,10 @@ def test_exact_sim_tables_render_each_recorded_row():
 def test_exact_bits_per_element(exact, bits):
     r = dict(bits_k=4, bits_v=4, m_k=32, exact=exact)  # head_dim 64
     assert report.exact_idea(r, 8192)[1] == bits
+
+
+def test_exact_sim_layouts_renders_the_recorded_run():
+    table = report.TABLES["exact-sim-layouts"]()
+    assert "| 4 bits | in every 128-position page, the 2 keys and the 2 values whose codes err most | 4.25 | +0.27 |" in table
+    assert "| 4 bits | positions 1 to 16 | 4.12 | +0.45 |" in table
+    assert "in float32, cpu" in table and "sha256 119e34e236245205" in table

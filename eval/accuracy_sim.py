@@ -134,37 +134,33 @@ def keep_exact(kind: str, amount: float, x, xq, mass=None):
     [H, T]``), or the ``first`` positions; position 0 is pinned already."""
     t, h, d = x.shape
     out = xq.clone()
-    if kind == "rows":
+    heads = torch.arange(h, device=x.device)
+    if kind in ("rows", "page"):
         err = ((x - xq) ** 2).sum(-1) / (x * x).sum(-1).clamp_min(1e-30)  # [T, H]
         err[0] = -1
-        sel = err.topk(max(1, math.ceil(amount * t)), dim=0).indices  # [n, H]
-        heads = torch.arange(h, device=x.device).expand_as(sel)
-        out[sel, heads] = x[sel, heads]
+        if kind == "rows":
+            sel = err.topk(max(1, math.ceil(amount * t)), dim=0).indices  # [n, H]
+        else:
+            sel = torch.cat([err[lo : lo + PAGE].topk(min(int(amount), t - lo, PAGE), dim=0).indices + lo
+                             for lo in range(0, t, PAGE)])  # [P per page, H]
+    elif kind == "mass":
+        m = mass.clone()
+        m[:, 0] = -1
+        sel = m.topk(min(int(amount), t), dim=1).indices.T  # [N, H]
+    elif kind == "first":
+        out[1 : int(amount) + 1] = x[1 : int(amount) + 1]
+        return out
     elif kind == "elems":
         err = (x - xq).abs().transpose(0, 1).reshape(h, t * d)  # [H, T*d]
         sel = err.topk(max(1, math.ceil(amount * t * d)), dim=1).indices
         flat = out.transpose(0, 1).reshape(h, t * d)
         flat.scatter_(1, sel, x.transpose(0, 1).reshape(h, t * d).gather(1, sel))
-        out = flat.view(h, t, d).transpose(0, 1)
-    elif kind == "page":
-        err = ((x - xq) ** 2).sum(-1) / (x * x).sum(-1).clamp_min(1e-30)  # [T, H]
-        err[0] = -1
-        for lo in range(0, t, PAGE):
-            blk = err[lo : lo + PAGE]
-            sel = blk.topk(min(int(amount), len(blk)), dim=0).indices + lo  # [P, H]
-            heads = torch.arange(h, device=x.device).expand_as(sel)
-            out[sel, heads] = x[sel, heads]
-    elif kind == "vec":
+        return flat.view(h, t, d).transpose(0, 1)
+    else:  # vec
         sel = (x - xq).abs().topk(min(int(amount), d), dim=-1).indices  # [T, H, R]
-        out.scatter_(-1, sel, x.gather(-1, sel))
-    elif kind == "first":
-        out[1 : int(amount) + 1] = x[1 : int(amount) + 1]
-    else:
-        m = mass.clone()
-        m[:, 0] = -1
-        sel = m.topk(min(int(amount), t), dim=1).indices.T  # [N, H]
-        heads = torch.arange(h, device=x.device).expand_as(sel)
-        out[sel, heads] = x[sel, heads]
+        return out.scatter_(-1, sel, x.gather(-1, sel))
+    rows = (sel, heads.expand_as(sel))  # whole vectors: [n, H] positions, one per head
+    out[rows] = x[rows]
     return out
 
 
@@ -209,16 +205,17 @@ class Sim:
         vq = dequant(vv, b["v"], b["v_transform"]) if "v" in self.parts else vv
         if b["sink"]:  # position 0 is exact (pinned) in every codebook
             kq[0], vq[0] = kk[0], vv[0]
+        s_exact = qf @ rep(kk).transpose(1, 2)
         if self.exact is not None:
             kind, amount = self.exact
             mass = None
             if kind == "mass":  # attention each key draws from every query, exact K and V
-                p = (qf @ rep(kk).transpose(1, 2) * scaling).masked_fill(~causal, float("-inf")).softmax(-1)
+                p = (s_exact * scaling).masked_fill(~causal, float("-inf")).softmax(-1)
                 mass = p.sum(1).view(k.shape[1], g, t).sum(1)
             kq = keep_exact(kind, amount, kk, kq, mass) if "k" in self.parts else kq
             vq = keep_exact(kind, amount, vv, vq, mass) if "v" in self.parts else vq
         exact = causal & (pos.view(1, -1) >= window_start(pos, self.window).view(-1, 1))
-        s = torch.where(exact, qf @ rep(kk).transpose(1, 2), qf @ rep(kq).transpose(1, 2))
+        s = torch.where(exact, s_exact, qf @ rep(kq).transpose(1, 2))
         p = (s * scaling).masked_fill(~causal, float("-inf")).softmax(-1)
         o = (p * exact) @ rep(vv) + (p * ~exact) @ rep(vq)
         return o.transpose(0, 1)[None].to(q.dtype), None
@@ -260,7 +257,7 @@ def main() -> int:
                    help="also score with only K or only V through codes (where the error is)")
     p.add_argument("--exact", nargs="+", default=[], type=exact_spec, metavar="SPEC",
                    help="also score each set of codebooks with more kept exact: rows:F, "
-                   "elems:F or mass:N (see above)")
+                   "elems:F, page:P, vec:R, mass:N or first:N (see the docstring)")
     p.add_argument("--layer-groups", type=int, default=0,
                    help="also score with only each group of this many layers quantized")
     p.add_argument("--docs", type=int, default=64, help="documents per domain")

@@ -1072,15 +1072,15 @@ def exact_sim_long() -> str:
     """What keeping more of K and V exact would be worth at distance, by simulation
     (accuracy_sim.py --long --exact), every bit width."""
     files = ("long_exact_sim.json", "long_exact_sim_low_bits.json")
-    body, meta = [], []
+    body, meta, buckets = [], [], None
     for name in files:
         data, rs = exact_rows(name)
         meta.append(data)
+        buckets = buckets or list(rs[0]["buckets"])
         for r in rs:
             idea, bits = exact_idea(r, data["max_len"])
             body.append([custom_name(r["bits_k"], r["bits_v"]).removeprefix("CUSTOM "), idea, bits,
                          *[pct(v[2]) for v in r["buckets"].values()], pct(r["delta_pct"])])
-    buckets = list(exact_rows(files[0])[1][0]["buckets"])
     ref = next(r for r in meta[0]["rows"] if r["method"] == "bf16")
     books = ", ".join(f"{custom_name(r['bits_k'], r['bits_v']).removeprefix('CUSTOM ')} "
                       f"{r['codebook_sha256']}" for d in meta for r in d["rows"]

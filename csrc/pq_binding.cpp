@@ -73,17 +73,20 @@ const uint8_t* grid_of(const Tensor& g, const char* name, const at::Device& dev,
   return g.data_ptr<uint8_t>();
 }
 
-// vLLM's layer view [blocks, kv_heads, B, Mk + Mv] (bytes), a (block, head) region dense and
+// vLLM's layer view [blocks, kv_heads, B, state bytes >= Mk + Mv], a (block, head) region dense and
 // laid out as vllm_pq_backend/layout.py says.
 pq::Pages pages_of(const Tensor& kv_cache, const at::Device& dev, int64_t heads, int64_t m_k,
                    int64_t m_v, int64_t k_off, int64_t k_tok, int64_t v_off, int64_t v_sub,
                    int64_t nan_code) {
-  check(kv_cache, "kv_cache", dev, {-1, heads, -1, m_k + m_v});
+  check(kv_cache, "kv_cache", dev, {-1, heads, -1, -1});
   TORCH_CHECK(kv_cache.element_size() == 1, "vllm_pq_backend: kv_cache must be a byte view, got ",
               kv_cache.scalar_type());
   TORCH_CHECK(kv_cache.stride(3) == 1 && kv_cache.stride(2) == kv_cache.size(3),
               "vllm_pq_backend: each (block, head) region of kv_cache must be contiguous");
   const int64_t b = kv_cache.size(2);
+  // bytes after the codes hold the exact store (layout.py), which these kernels do not read
+  TORCH_CHECK(kv_cache.size(3) >= m_k + m_v, "vllm_pq_backend: kv_cache has ", kv_cache.size(3),
+              " bytes per token, fewer than the codes' ", m_k + m_v);
   TORCH_CHECK(k_off == 0 && k_tok == m_k && v_off == b * m_k && v_sub == b,
               "vllm_pq_backend: page layout (", k_off, ", ", k_tok, ", ", v_off, ", ", v_sub,
               ") does not match kv_cache block size ", b, " with Mk=", m_k, ", Mv=", m_v);
@@ -206,8 +209,8 @@ void decode(Tensor out, const Tensor& q, const Tensor& kv_cache, const Tensor& b
             const Tensor& seq_lens, const Tensor& order, const Tensor& k_cb, const Tensor& v_cb, const Tensor& books,
             const Tensor& win_k, const Tensor& win_v, const Tensor& rows, const Tensor& new_k, const Tensor& new_v,
             int64_t window, int64_t sliding_window, int64_t num_splits, int64_t min_split, int64_t num_ctas,
-            double scale, const Tensor& sinks, bool lut, Tensor ws_o, Tensor ws_lse, int64_t k_off, int64_t k_tok,
-            int64_t v_off, int64_t v_sub, int64_t nan_code) {
+            double scale, const Tensor& sinks, bool lut, Tensor ws_o, Tensor ws_lse, const Tensor& corr,
+            int64_t corr_slots, int64_t k_off, int64_t k_tok, int64_t v_off, int64_t v_sub, int64_t nan_code) {
   const at::Device dev = q.device();
   TORCH_CHECK(dev.is_cuda(), "vllm_pq_backend: q must be a CUDA tensor");
   const at::cuda::OptionalCUDAGuard guard(dev);
@@ -320,6 +323,15 @@ void decode(Tensor out, const Tensor& q, const Tensor& kv_cache, const Tensor& b
     a.sinks = sinks.data_ptr();
     a.sinks_f32 = sinks.scalar_type() == at::kFloat;
   }
+  if (corr.numel() > 0) {  // the exact store's corrections (empty: none)
+    check_dtype(corr, "corr", at::kFloat);
+    TORCH_CHECK(corr.device() == dev && corr.is_contiguous() && corr_slots >= 1 &&
+                    corr.numel() >= reqs * heads * corr_slots * (d + 2),
+                "vllm_pq_backend: corr must be contiguous float32 on ", dev, " with >= ",
+                reqs * heads * corr_slots * (d + 2), " elements");
+    a.corr = corr.data_ptr<float>();
+    a.corr_slots = static_cast<int>(corr_slots);
+  }
   a.lut = lut;
   a.ws_o = ws_o.data_ptr<float>();
   a.ws_lse = ws_lse.data_ptr<float>();
@@ -400,6 +412,9 @@ std::tuple<Tensor, Tensor> dequant_pages(const Tensor& kv_cache, const Tensor& b
   }
   TORCH_CHECK(extra_pages >= 0, "vllm_pq_backend: extra_pages must be >= 0, got ", extra_pages);
   const int64_t b = kv_cache.size(2);
+  // bytes after the codes hold the exact store (layout.py), which these kernels do not read
+  TORCH_CHECK(kv_cache.size(3) >= m_k + m_v, "vllm_pq_backend: kv_cache has ", kv_cache.size(3),
+              " bytes per token, fewer than the codes' ", m_k + m_v);
   Tensor k = at::empty({n + extra_pages, b, heads, d}, k_cb.options());
   Tensor v = at::empty_like(k);
   a.block_ids = block_ids.data_ptr<int32_t>();
@@ -463,8 +478,8 @@ TORCH_LIBRARY(pq_backend, m) {
       "decode(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, Tensor order, "
       "Tensor k_cb, Tensor v_cb, Tensor books, Tensor(d!) win_k, Tensor(e!) win_v, Tensor rows, Tensor new_k, "
       "Tensor new_v, int window, int sliding_window, int num_splits, int min_split, int num_ctas, float scale, "
-      "Tensor sinks, bool lut, Tensor(b!) ws_o, Tensor(c!) ws_lse, int k_off, int k_tok, int v_off, int v_sub, "
-      "int nan_code) -> ()");
+      "Tensor sinks, bool lut, Tensor(b!) ws_o, Tensor(c!) ws_lse, Tensor corr, int corr_slots, int k_off, "
+      "int k_tok, int v_off, int v_sub, int nan_code) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pq_backend, CUDA, m) {

@@ -21,15 +21,22 @@ namespace {
 // with attention sinks, the sink joins that denominator here, once (sink_log2). The splits'
 // results are sink-free: a sink in each would count it once per split that holds keys, and
 // the output would depend on how the codes were split.
+// The exact store's corrections (DecodeArgs::corr) join both sums at their own scale.
 template <typename T>
 __global__ void reduce_kernel(DecodeArgs a) {
   const int req = blockIdx.x, head = blockIdx.y, slots = a.num_splits, d = a.head_dim;
   const int64_t base = ((int64_t)req * a.num_heads + head) * slots;
   const float* lse = a.ws_lse + base;
+  const int cs = a.corr != nullptr ? a.corr_slots : 0;
+  const float* corr = cs ? a.corr + ((int64_t)req * a.num_heads + head) * cs * (d + 2) : nullptr;
   const float sink = a.sinks != nullptr ? sink_log2<T>(a, head) : 0.f;  // (in flight with lse's loads)
   float mx = -CUDART_INF_F;
   bool nan = false;  // a split that read a NaN-marked key (layout.py) makes the output NaN
   for (int s = 0; s < slots; ++s) mx = fmaxf(mx, lse[s]), nan = nan || isnan(lse[s]);
+  for (int c = 0; c < cs; ++c) {
+    const float m = corr[c * (d + 2) + d + 1], den = corr[c * (d + 2) + d];
+    mx = fmaxf(mx, m), nan = nan || isnan(m) || isnan(den);
+  }
   T* out = static_cast<T*>(a.out) + req * a.out_stride + (int64_t)head * d;
   for (int dim = threadIdx.x; dim < d; dim += blockDim.x) {
     float num = 0.f, den = 0.f;
@@ -39,6 +46,13 @@ __global__ void reduce_kernel(DecodeArgs a) {
         const float w = exp2f(lse[s] - mx);
         num += w * a.ws_o[(base + s) * d + dim];
         den += w;
+      }
+      for (int c = 0; c < cs; ++c) {
+        const float* x = corr + c * (d + 2);
+        if (x[d + 1] == -CUDART_INF_F) continue;  // no entry read there
+        const float w = exp2f(x[d + 1] - mx);
+        num += w * x[dim];
+        den += w * x[d];
       }
     }
     if (a.sinks != nullptr && den > 0.f) den += exp2f(sink - mx);
@@ -58,7 +72,7 @@ cudaError_t decode_typed(const DecodeArgs& a, cudaStream_t stream) {
 #undef PQ_CASE
     default: return cudaErrorInvalidValue;
   }
-  if (err != cudaSuccess || a.num_splits == 1) return err;  // one split: the kernel wrote out
+  if (err != cudaSuccess || (a.num_splits == 1 && a.corr == nullptr)) return err;  // the kernel wrote out
   reduce_kernel<T><<<dim3(a.num_reqs, a.num_heads), 128, 0, stream>>>(a);
   return cudaGetLastError();
 }

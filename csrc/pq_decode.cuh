@@ -579,8 +579,10 @@ __global__ void __launch_bounds__(DecodeCfg<T, D, MK, MV>::kThreads, 1) decode_k
     const int t_begin = it.t_begin, t_end = it.t_end, w_begin = it.w_begin, w_end = it.w_end;
     float* lse_out = a.ws_lse + ((int64_t)req * a.num_heads + h0) * slots + slot;
     // One split: the item's result is the output (what reduce_kernel would write, bit for
-    // bit without sinks), so there is no workspace round trip and no reduce launch (pq_decode.cu).
-    T* direct = slots == 1 ? static_cast<T*>(a.out) + req * a.out_stride + (int64_t)h0 * D : nullptr;
+    // bit without sinks), so there is no workspace round trip and no reduce launch
+    // (pq_decode.cu), unless the merge has the exact store's corrections to add.
+    T* direct = slots == 1 && a.corr == nullptr ? static_cast<T*>(a.out) + req * a.out_stride + (int64_t)h0 * D
+                                                : nullptr;
     const bool has_codes = t_begin < t_end, has_win = w_begin < w_end;
     if (!has_codes && !has_win) {
       if (direct != nullptr) {

@@ -89,6 +89,11 @@ struct DecodeArgs {
   bool lut;       // score through Q.centroid lookup tables where supported (see pq_decode.cuh)
   float* ws_o;    // [R, Hq, num_splits, D]
   float* ws_lse;  // [R, Hq, num_splits] (log2 domain)
+  // The exact store's corrections (vllm_pq_backend/exact.py), or null: [R, Hq, corr_slots,
+  // D + 2] fp32, each a numerator [D], a denominator and their scale's log2 (-inf: none),
+  // added to the splits' by the merge, which then always runs.
+  const float* corr;
+  int corr_slots;
   DType dtype;
 };
 

@@ -152,7 +152,7 @@ def bench_pq(batch, ctx, ms, gen, hq=HQ, hkv=HKV, lut=False, per_item=False, min
         torch.ops.pq_backend.decode(out, q, cache, tables[i], seq, order_t, cb[0], cb[1], books, win[0], win[1],
                                     rows, new_kv[0], new_kv[1], window, 0, splits, min_split, ctas,
                                     d**-0.5, sink,
-                                    lut, ws_o, ws_lse,
+                                    lut, ws_o, ws_lse, q.new_empty(0), 0,
                                     *lay.kernel_args())
 
     if sinks:

@@ -106,7 +106,8 @@ def codebook_meta(path):
     cal = codebooks.calibration_of(info)
     with open(path, "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()[:16]
-    return dict(m_k=info.m_k, m_v=info.m_v, bits_k=bits_of(info.head_dim, info.m_k),
+    return dict(m_k=info.m_k, m_v=info.m_v, head_dim=info.head_dim,
+                bits_k=bits_of(info.head_dim, info.m_k),
                 bits_v=bits_of(info.head_dim, info.m_v), codebook_sha256=digest,
                 codebook_file=os.path.abspath(path),
                 method="plain" if not info.transforms and not cal.get("method") else
@@ -174,9 +175,43 @@ def calibration(meta: dict) -> str:
                                                   meta.get("calib_pack"))
 
 
+def exact_words(meta: dict) -> str:
+    """The exact store of an engine's pages (meta: custom_engines'), or "": " + 2 exact
+    per page (4.31 bits)", the bits per element of K and V with the store's bytes."""
+    if not meta.get("exact"):
+        return ""
+    bits = (meta["bits_k_total"] + meta["bits_v_total"]) / 2
+    return f" + {meta['exact']} exact per page ({bits:.2f} bits)"
+
+
 def engine_label(meta: dict, window: int) -> str:
-    """CUSTOM by bits per element and window, and its calibration where not the default."""
-    return f"CUSTOM K{meta['bits_k']}/V{meta['bits_v']} bits W={window}" + calibration(meta)
+    """CUSTOM by bits per element, exact store and window, and its calibration where not
+    the default."""
+    return (f"CUSTOM K{meta['bits_k']}/V{meta['bits_v']} bits" + exact_words(meta)
+            + f" W={window}" + calibration(meta))
+
+
+def custom_engines(paths: list[str], windows: list[int], exacts: list[int],
+                   block_size: int = 128) -> list[tuple[str, dict, dict]]:
+    """(label, meta, LLM arguments) of a CUSTOM engine for every codebook file, window and
+    exact store size (entries per page and KV head); meta adds to codebook_meta's the
+    window, the store, the page's bytes per token and KV head (layout.PageLayout) and the
+    bits per element of K and V with the store's bytes."""
+    from vllm_pq_backend.layout import PageLayout
+
+    out = []
+    for path in paths:
+        meta = codebook_meta(path)
+        for w in windows:
+            for p in exacts:
+                lay = PageLayout(block_size, meta["m_k"], meta["m_v"], meta["head_dim"], p)
+                bk, bv = lay.bits()
+                m = dict(meta, window=w, exact=p, page_bytes=lay.state_bytes,
+                         bits_k_total=round(bk, 4), bits_v_total=round(bv, 4))
+                out.append((engine_label(m, w), m, dict(
+                    attention_backend="CUSTOM", block_size=block_size,
+                    additional_config={"pq": {"codebooks": path, "window": w, "exact": p}})))
+    return out
 
 
 def calibration_words(tokens: int | None, seq_len: int | list[int] | None, pack: bool) -> str:

@@ -41,7 +41,7 @@ import sys
 import time
 
 from common import (POSITION_BUCKETS, bucket_name,  # eval/ is the script's directory
-                    codebook_meta, engine_label, provenance, save_section)
+                    custom_engines, provenance, save_section)
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # read the engine's KV size
 
@@ -353,6 +353,8 @@ def main() -> int:
                    help="nominal prompt lengths of the retrieval tasks (tokens)")
     p.add_argument("--codebooks", nargs="*", default=[], help="CUSTOM codebook files")
     p.add_argument("--window", type=int, default=128)
+    p.add_argument("--exact", type=int, nargs="+", default=[0],
+                   help="exact store entries per page and KV head (0: none), one engine each")
     p.add_argument("--baselines", nargs="*", default=list(BASELINES), choices=list(BASELINES))
     p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
     p.add_argument("--samples", type=int, default=200, help="per (task, length)")
@@ -429,11 +431,7 @@ def main() -> int:
                for name, kw in BASELINES.items() if name in args.baselines]
     if not engines or engines[0][0] != REFERENCE:
         sys.exit(f"long_context.py: {REFERENCE} is the reference: keep it in --baselines")
-    for path in args.codebooks:
-        meta = codebook_meta(path)
-        engines.append((engine_label(meta, args.window), dict(meta, window=args.window), dict(
-            attention_backend="CUSTOM",
-            additional_config={"pq": {"codebooks": path, "window": args.window}})))
+    engines += custom_engines(args.codebooks, [args.window], args.exact)
     labels = [label for label, _, _ in engines]
     if len(set(labels)) < len(labels):
         sys.exit(f"long_context.py: two caches share a label: {labels}")

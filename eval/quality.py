@@ -24,7 +24,7 @@ import os
 import sys
 import time
 
-from common import calibration, codebook_meta, load_docs, prompt_perplexity, provenance
+from common import custom_engines, load_docs, prompt_perplexity, provenance
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # read the engine's KV size
 
@@ -111,6 +111,8 @@ def main() -> int:
     p.add_argument("--eval", required=True, nargs="+", help="NAME=FILE.jsonl text domains")
     p.add_argument("--codebooks", nargs="*", default=[], help="CUSTOM codebook files")
     p.add_argument("--windows", type=int, nargs="+", default=[128])
+    p.add_argument("--exact", type=int, nargs="+", default=[0],
+                   help="exact store entries per page and KV head (0: none), one engine each")
     p.add_argument("--baselines", nargs="*", default=list(BASELINES), choices=list(BASELINES))
     p.add_argument("--max-len", type=int, default=2048, help="tokens per scored document")
     p.add_argument("--docs", type=int, default=64, help="documents per domain")
@@ -142,13 +144,7 @@ def main() -> int:
 
     engines = [(name, dict(method=name, bits_k=16 if "bf16" in name else None), kw)
                for name, kw in BASELINES.items() if name in args.baselines]
-    for path in args.codebooks:
-        meta = codebook_meta(path)
-        for w in args.windows:
-            label = f"CUSTOM K{meta['bits_k']}/V{meta['bits_v']} bits W={w}" + calibration(meta)
-            engines.append((label, dict(meta, window=w), dict(
-                attention_backend="CUSTOM",
-                additional_config={"pq": {"codebooks": path, "window": w}})))
+    engines += custom_engines(args.codebooks, args.windows, args.exact)
     stamp = dict(provenance(), model=f"{args.model} ({args.model_source})", eval_text={n: os.path.abspath(f) for n, f in paths.items()},
                  docs_per_domain=args.docs, max_len=args.max_len,
                  greedy=f"{len(prompts)} prompts x {args.gen_tokens} tokens from {next(iter(paths))}")
@@ -167,7 +163,7 @@ def main() -> int:
               + f"; KV capacity {res['kv_cache_tokens']} tokens ({res['seconds']} s)", flush=True)
         base = results.get("FLASH_ATTN bf16")
         if "m_k" in meta:  # the page layout's bytes
-            per_token = layers * kv * (meta["m_k"] + meta["m_v"])
+            per_token = layers * kv * meta["page_bytes"]
         else:  # what vLLM's capacity says, relative to bf16's (same memory budget)
             per_token = bf16_bytes * (base or res)["kv_cache_tokens"] / res["kv_cache_tokens"]
         for name, (ppl, count) in res["ppl"].items():

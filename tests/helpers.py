@@ -286,19 +286,34 @@ class Sim:
 
     def dense_reference(self, rid, window: int):
         """Independent check: SDPA over quantize-dequantized K/V (full precision inside the
-        window), for every token of the request so far."""
-        from vllm_pq_backend.reference import decode_codes, encode
-        from vllm_pq_backend.layout import window_start
+        window), for every token of the request so far. With an exact store, the P
+        largest-error tokens of each whole page (ranked in the frame the codes are in) read
+        back as decoded plus their residual rounded to 16 bits."""
+        from vllm_pq_backend.layout import residual_dtype, window_start
+        from vllm_pq_backend.reference import code_errors, decode_codes, encode
 
         st = self.impl._state
         r = self.reqs[rid]
         q, k, v = (torch.cat(x).float() for x in (r.q, r.k, r.v))
+
+        def with_entries(xt, y):
+            p, b = st.layout.exact, self.B
+            err = code_errors(xt, y)
+            out = y.clone()
+            for page in range(xt.shape[0] // b if p else 0):
+                for h in range(xt.shape[1]):
+                    e = err[page * b : (page + 1) * b, h].tolist()
+                    for _, i in sorted((-v, i) for i, v in enumerate(e) if v > 0)[:p]:
+                        t = page * b + i
+                        out[t, h] += (xt[t, h] - y[t, h]).to(residual_dtype(self.dtype)).float()
+            return out
+
         def dequant(x, cb, t):  # codes of x t, read back and mapped by t^-1
             if t is None:
-                return decode_codes(encode(x, cb), cb)
+                return with_entries(x, decode_codes(encode(x, cb), cb))
             # the backend encodes the mapped row as stored: rounded to the activation dtype
             xt = torch.einsum("nhd,hde->nhe", x, t).to(self.dtype).float()
-            y = decode_codes(encode(xt, cb), cb)
+            y = with_entries(xt, decode_codes(encode(xt, cb), cb))
             return torch.einsum("nhe,hed->nhd", y, torch.linalg.inv(t))
 
         k_hat = dequant(k, st.k_cb32, st.maps["key"])

@@ -185,6 +185,38 @@ def test_chunked_prefill_matches_token_by_token(model_factory, target, window):
         assert err < sim.tol / 2, f"{other} vs one-shot prefill: relative difference {err:.2e}"
 
 
+@pytest.mark.parametrize("transforms,sliding", [(False, None), (True, None), (False, 80)])
+def test_exact_store(model_factory, target, transforms, sliding):
+    """With the exact store: prefill, chunked prefill, mixed batches and decode equal the
+    dense check with each whole page's P largest-error keys and values exact, and a prompt
+    gives the same outputs in one chunk or in uneven ones."""
+    model = model_factory(64, 4, 2, transforms)
+    vc = vllm_config(model, block_size=32, pq={"window": 32, "exact": 2})
+    sim = make_sim(vc, target, seed=11, sliding_window=sliding)
+    if transforms:
+        sim.tol *= 2
+    for rid in range(4):
+        sim.add(rid)
+    first = sim.step([(0, 150), (1, 5), (2, 70)])
+    check(sim, first, 32)
+    check(sim, sim.step([(0, 1), (1, 1), (2, 1)]), 32)
+    check(sim, sim.step([(0, 1), (3, 90), (1, 60), (2, 1)]), 32)
+    for _ in range(5):  # decode across a page boundary
+        check(sim, sim.step([(0, 1), (1, 1), (2, 1), (3, 1)]), 32)
+    again = make_sim(vc, target, seed=11, sliding_window=sliding)
+    again.add(0)
+    chunked = torch.cat([again.step([(0, n)])[0] for n in (37, 40, 1, 72)])
+    err = (chunked.float() - first[0].float()).norm() / first[0].float().norm()
+    assert err < sim.tol / 2, f"chunked vs one-shot prefill: relative difference {err:.2e}"
+
+
+def test_exact_store_needs_the_window_to_be_the_block(model_factory):
+    model = model_factory(64, 4, 2)
+    vc = vllm_config(model, block_size=64, pq={"window": 32, "exact": 2})
+    with pytest.raises(ValueError, match="pq exact needs the window to be the block size"):
+        make_sim(vc, "cpu")
+
+
 @ON_GPU
 @pytest.mark.parametrize("window", [0, 32, 128])
 def test_batch_invariant_mode_is_bitwise_reproducible(model_factory, window):

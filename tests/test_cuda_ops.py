@@ -75,4 +75,4 @@ def test_fakes_give_the_ops_output_shapes():
             torch.empty_like(q), q, cache, table, seq, seq, k_cb, v_cb, books, win, win.clone(),
             seq, rows[:3], rows[:3], window=64, sliding_window=0, num_splits=2, min_split=256,
             num_ctas=4, scale=0.125, sinks=torch.zeros(4, device=dev), lut=False, ws_o=ws,
-            ws_lse=ws.clone(), layout=lay) is None
+            ws_lse=ws.clone(), corr=ws.new_empty(0), corr_slots=0, layout=lay) is None

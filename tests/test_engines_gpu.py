@@ -160,25 +160,28 @@ def test_window_rows_after_vllms_kernel_warm_up(tmp_path, monkeypatch):
     assert out[5:8] == alone
 
 
-def test_cuda_graph_engine_pads_steps_and_matches_eager(tmp_path, monkeypatch):
+@pytest.mark.parametrize("exact", [0, 2])
+def test_cuda_graph_engine_pads_steps_and_matches_eager(tmp_path, monkeypatch, exact):
     """With CUDA graphs, vLLM pads a decode step's token count to a captured size, and the
     slot mapping with it (-1 past the step's tokens): three requests decode as a batch of
     4. Every other engine test here runs without graphs, where nothing is padded; this one
     failed on the first padded step when forward handed the store the padded mapping.
     Full decode graphs without torch.compile (CUSTOM takes no graphs in batch-invariant
     mode): greedy outputs are those of an eager engine, whose decode steps run the same
-    kernels (prompts shorter than one codes split: plans.MIN_SPLIT_TOKENS)."""
+    kernels (prompts shorter than one codes split: plans.MIN_SPLIT_TOKENS). With the exact
+    store (32-token blocks, the window's size) its corrections run in the graphs too."""
     from vllm.config import CUDAGraphMode
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     model, books = tiny_target(tmp_path / "model", "eagle3")
-    eager = engine(model, books, 32)
+    kw = dict(pq={"exact": exact}, block_size=32) if exact else {}
+    eager = engine(model, books, 32, **kw)
     want = greedy(eager)
     del eager
     settle()
     llm = engine(model, books, 32, eager=False,
                  compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
-                                     "cudagraph_capture_sizes": [1, 2, 4, 8]})
+                                     "cudagraph_capture_sizes": [1, 2, 4, 8]}, **kw)
     mode = llm.llm_engine.vllm_config.compilation_config.cudagraph_mode
     assert mode == CUDAGraphMode.FULL_DECODE_ONLY
     assert greedy(llm) == want

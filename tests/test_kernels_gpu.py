@@ -79,7 +79,7 @@ def run_kernel(c, splits, ctas=0, min_split=0, order=None):
         out, c["q"], c["cache"], c["table"], c["seq"], order, c["k_cb"], c["v_cb"], book_image(c), c["win_k"],
         c["win_v"], c["rows"], c.get("new_k", empty), c.get("new_v", empty), c["window"],
         c["sliding"], splits, min_split, ctas, c["scale"], c.get("sinks", empty), c["lut"], ws_o,
-        ws_lse, *c["lay"].kernel_args(),
+        ws_lse, empty, 0, *c["lay"].kernel_args(),
     )
     return out
 
@@ -440,7 +440,7 @@ def test_decode_replays_in_a_cuda_graph():
     order = torch.arange(8, dtype=torch.int32, device=DEV)
     args = lambda: (out, c["q"], c["cache"], c["table"], c["seq"], order, c["k_cb"], c["v_cb"],  # noqa: E731
                     image, c["win_k"], c["win_v"], c["rows"], empty, empty, 128, 0, 4, 0, 3, c["scale"],
-                    empty, False, ws_o, ws_lse, *c["lay"].kernel_args())
+                    empty, False, ws_o, ws_lse, empty, 0, *c["lay"].kernel_args())
     torch.ops.pq_backend.decode(*args())  # warm up outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -601,7 +601,8 @@ def _decode_args(c, **over):
                 win_v=c["win_v"],
                 rows=c["rows"], new_k=empty, new_v=empty, window=c["window"], sliding=0, splits=2,
                 min_split=0, ctas=0, scale=c["scale"], sinks=empty, lut=False,
-                ws_o=torch.empty(r * hq * 3 * d, device=DEV), ws_lse=torch.empty(r * hq * 3, device=DEV))
+                ws_o=torch.empty(r * hq * 3 * d, device=DEV), ws_lse=torch.empty(r * hq * 3, device=DEV),
+                corr=empty, corr_slots=0)
     args.update(over)
     return list(args.values()) + list(c["lay"].kernel_args())
 

@@ -12,7 +12,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 from .config import DEFAULT_BLOCK_SIZE
 from .engine_config import EngineConfig
 from .impl import PQAttentionImpl
-from .layout import BLOCK_ALIGN, HEAD_DIMS, PageLayout
+from .layout import BLOCK_ALIGN, HEAD_DIMS
 from .metadata import PQMetadataBuilder
 
 SUPPORTED_HEAD_SIZES = HEAD_DIMS
@@ -97,14 +97,15 @@ class PQAttentionBackend(AttentionBackend):
 
     @classmethod
     def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
-        """A page holds only codes: Mk + Mv bytes per token and KV head."""
+        """A page holds codes and the exact store: layout.PageLayout.state_bytes per token
+        and KV head."""
         if spec.state_content_bytes is not None:
             return spec
         cfg = EngineConfig.of_caller()  # vLLM asks outside its config context
         return replace(
             spec,
             dtype=torch.uint8,
-            state_content_bytes=PageLayout(spec.block_size, cfg.m_k, cfg.m_v).state_bytes,
+            state_content_bytes=cfg.layout(spec.block_size).state_bytes,
         )
 
     @classmethod

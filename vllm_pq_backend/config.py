@@ -2,15 +2,17 @@
 
 Precedence, highest first:
   1. ``--additional-config '{"pq": {"codebooks": PATH, "m": 32, "m_v": 16, "window": 128,
-     "window_memory": 0.1}}'``
+     "window_memory": 0.1, "exact": 2}}'``
      (``LLM(..., additional_config={"pq": {...}})``)
-  2. environment: ``VLLM_PQ_CODEBOOKS``, ``VLLM_PQ_M``, ``VLLM_PQ_M_V``, ``VLLM_PQ_WINDOW``
-     (handy for lm-eval, whose ``--model_args`` cannot carry a JSON dict)
+  2. environment: ``VLLM_PQ_CODEBOOKS``, ``VLLM_PQ_M``, ``VLLM_PQ_M_V``, ``VLLM_PQ_WINDOW``,
+     ``VLLM_PQ_EXACT`` (handy for lm-eval, whose ``--model_args`` cannot carry a JSON dict)
   3. defaults: ``m = head_dim // 2`` (4 bits per element), ``m_v = m``, codebooks at
      ``<model dir>/pq/codebooks_m<M>[_v<Mv>].safetensors`` (where
      ``vllm_pq_backend.calibrate`` writes them), window = 128 tokens when the block size
      allows it, window_memory = 0.1 (the window store may take at most this share of
-     the memory vLLM has for the KV cache; see EngineConfig.window_rows).
+     the memory vLLM has for the KV cache; see EngineConfig.window_rows), exact =
+     DEFAULT_EXACT keys and values per page and KV head kept exact by the exact store
+     (layout.py; 0: none).
 ``m`` is the K subspaces per head (and V's unless ``m_v`` is given); the codebook file is
 the authority, these only select the default file and are checked against it
 (engine_config.EngineConfig resolves them once per engine).
@@ -30,7 +32,10 @@ ENV_CODEBOOKS = "VLLM_PQ_CODEBOOKS"
 ENV_M = "VLLM_PQ_M"
 ENV_M_V = "VLLM_PQ_M_V"
 ENV_WINDOW = "VLLM_PQ_WINDOW"
-_KEYS = {"codebooks", "m", "m_v", "window", "window_memory"}
+ENV_EXACT = "VLLM_PQ_EXACT"
+DEFAULT_EXACT = 0
+MAX_EXACT = 16
+_KEYS = {"codebooks", "m", "m_v", "window", "window_memory", "exact"}
 
 
 def default_codebook_path(model_dir: str, m_k: int, m_v: int | None = None) -> str:
@@ -46,6 +51,7 @@ class PQConfig:
     m_v: int | None  # V subspaces per head; None: m_k when m_k is given, else the file's
     window: int | None  # None: the default for the block size
     window_memory: float = DEFAULT_WINDOW_MEMORY  # share of the KV memory (impl.window_rows)
+    exact: int = DEFAULT_EXACT  # exact store entries per page and KV head (layout.py)
 
     @staticmethod
     def from_sources(additional_config: dict | None, model: str | None) -> PQConfig:
@@ -67,6 +73,8 @@ class PQConfig:
         m = pick("m", ENV_M, int)
         m_v = pick("m_v", ENV_M_V, int)
         window = pick("window", ENV_WINDOW, int)
+        exact = pick("exact", ENV_EXACT, int)
+        exact = DEFAULT_EXACT if exact is None else exact
         path = pick("codebooks", ENV_CODEBOOKS, str)
         if path is None:
             if not model or not os.path.isdir(model):
@@ -85,11 +93,14 @@ class PQConfig:
             raise ValueError("pq m_v needs m too (m: K subspaces per head, m_v: V's)")
         if window is not None and window < 0:
             raise ValueError(f"pq window must be >= 0, got {window}")
+        if not 0 <= exact <= MAX_EXACT:
+            raise ValueError(f"pq exact must be in 0..{MAX_EXACT} (keys and values kept exact "
+                             f"per page and KV head), got {exact}")
         share = float(user.get("window_memory", DEFAULT_WINDOW_MEMORY))
         if not 0 < share <= 1:
             raise ValueError(f"pq window_memory must be in (0, 1], got {share}")
         return PQConfig(codebooks=path, m_k=m, m_v=m_v if m_v is not None else m,
-                        window=window, window_memory=share)
+                        window=window, window_memory=share, exact=exact)
 
     def codebook_file(self, head_dim: int) -> str:
         if os.path.isdir(self.codebooks):

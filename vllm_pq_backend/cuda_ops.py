@@ -1,5 +1,6 @@
 """The CUDA kernels' custom ops (``torch.ops.pq_backend.*``, csrc/pq_binding.cpp): one typed
-wrapper each, next to its fake (the output shapes torch.compile and meta tensors see).
+wrapper each, next to its fake (the output shapes torch.compile and meta tensors see), and
+the exact store's Triton kernels (exact.py) where the ops' results need them.
 fallback.py has a PyTorch function of the same signature for each op the backend can run
 without the kernels."""
 
@@ -10,7 +11,7 @@ import functools
 import torch
 from torch import Tensor
 
-from . import kernels
+from . import exact, kernels
 from .layout import PageLayout
 
 _FAKES = {}
@@ -42,6 +43,7 @@ def store(kv_cache: Tensor, key: Tensor, value: Tensor, slot_mapping: Tensor, k_
     ``slot_mapping`` (int64, -1 skipped)."""
     torch.ops.pq_backend.store(kv_cache, key, value, slot_mapping, k_cb, v_cb, k_grid, v_grid,
                                *layout.kernel_args())
+    exact.update(kv_cache, key, value, slot_mapping, k_cb, v_cb, layout)
 
 
 @_fake("store")
@@ -67,9 +69,13 @@ def dequant_pages(kv_cache: Tensor, block_ids: Tensor, first: Tensor | None, k_c
     write of the result. With ``first`` (plans.first_occurrence of the block ids) only the
     first entry of each block id is written (requests sharing a cached prefix); the
     ``extra_pages`` after them are left unwritten. Launched from C++: about 38 us of host
-    time a layer, where a Triton launch took 116 us."""
-    return torch.ops.pq_backend.dequant_pages(kv_cache, block_ids.reshape(-1), first, k_cb, v_cb,
-                                              extra_pages, *layout.kernel_args())
+    time a layer, where a Triton launch took 116 us. The exact store's residuals are
+    added after (exact.add_to_pages)."""
+    ids = block_ids.reshape(-1)
+    k, v = torch.ops.pq_backend.dequant_pages(kv_cache, ids, first, k_cb, v_cb, extra_pages,
+                                              *layout.kernel_args())
+    exact.add_to_pages(k, v, kv_cache, ids, first, layout)
+    return k, v
 
 
 @_fake("dequant_pages")
@@ -109,7 +115,8 @@ def decode(out: Tensor, q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_le
            order: Tensor, k_cb: Tensor, v_cb: Tensor, books: Tensor, win_k: Tensor,
            win_v: Tensor, rows: Tensor, new_k: Tensor, new_v: Tensor, *, window: int,
            sliding_window: int, num_splits: int, min_split: int, num_ctas: int, scale: float,
-           sinks: Tensor, lut: bool, ws_o: Tensor, ws_lse: Tensor, layout: PageLayout) -> None:
+           sinks: Tensor, lut: bool, ws_o: Tensor, ws_lse: Tensor, corr: Tensor, corr_slots: int,
+           layout: PageLayout) -> None:
     """Attention of one query row per request (``q [requests, Hq, D]``) over its context:
     the codes in its pages, and with ``window > 0`` the window store's row ``rows[r]``,
     into which ``new_k`` / ``new_v`` (the step's rows) are written first. The requests are
@@ -117,11 +124,13 @@ def decode(out: Tensor, q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_le
     tokens by ``num_ctas`` CTAs per KV head group (plans.DecodePlan), the split results in
     ``ws_o`` / ``ws_lse``; ``lut``: scores by lookup tables (ops.lut_scores). ``sinks``
     ``[Hq]`` (float32 or ``q``'s dtype; empty: none): each head's attention sink, which
-    joins every query's softmax denominator once (reference.add_sink)."""
+    joins every query's softmax denominator once (reference.add_sink). ``corr`` ``[R, Hq,
+    corr_slots, D + 2]`` (empty: none): the exact store's corrections
+    (exact.decode_corrections), added in the merge."""
     torch.ops.pq_backend.decode(
         out, q, kv_cache, block_table, seq_lens, order, k_cb, v_cb, books, win_k, win_v, rows,
         new_k, new_v, window, sliding_window, num_splits, min_split, num_ctas, scale, sinks,
-        lut, ws_o, ws_lse, *layout.kernel_args())
+        lut, ws_o, ws_lse, corr, corr_slots, *layout.kernel_args())
 
 
 @_fake("decode")

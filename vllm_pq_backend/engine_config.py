@@ -16,6 +16,7 @@ from vllm.logger import init_logger
 
 from . import codebooks
 from .config import PQConfig
+from .layout import PageLayout
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler, see __init__
 
@@ -42,6 +43,7 @@ class EngineConfig:
         self.codebooks = codebooks.read_info(self.user.codebook_file(self.head_size))
         codebooks.validate(self.codebooks, mc.hf_config, self.user.m_k, self.user.m_v, mc.model)
         self.m_k, self.m_v = self.codebooks.m_k, self.codebooks.m_v  # K and V subspaces per head
+        self.exact = self.user.exact  # exact store entries per page and KV head
         self.max_model_len = mc.max_model_len
         self._cache = vllm_config.cache_config
         self._scheduler = vllm_config.scheduler_config
@@ -81,6 +83,11 @@ class EngineConfig:
     def block_size(self) -> int:
         return self._cache.block_size
 
+    def layout(self, block_size: int | None = None) -> PageLayout:
+        """The page layout at ``block_size`` (default: the engine's)."""
+        return PageLayout(block_size or self.block_size, self.m_k, self.m_v, self.head_size,
+                          self.exact)
+
     @property
     def window(self) -> int:
         """Tokens of the residual window at the engine's block size (layout.py), resolved
@@ -94,6 +101,13 @@ class EngineConfig:
                     f"pq window {w} must exceed the {self.draft_tokens} speculative tokens "
                     f"of a verification step (so that one step spans at most two window "
                     f"segments); lower num_speculative_tokens or raise the window.")
+            if self.exact and w != b:
+                raise ValueError(
+                    f"pq exact needs the window to be the block size (window {w}, block "
+                    f"{b}): a query then reads exact entries only of pages wholly before its "
+                    f"window, whose entries no later token changes, so that results do not "
+                    f"depend on chunking; serve with window {b} (or --block-size {w} if "
+                    f"{w} >= 32), or exact 0.")
             self._check_calibration_window(w)
             self._windows[b] = w
         return self._windows[b]

@@ -16,8 +16,10 @@ from .plans import FallbackPlan
 
 def store(kv_cache: Tensor, key: Tensor, value: Tensor, slot_mapping: Tensor, k_cb: Tensor,
           v_cb: Tensor, k_grid: Tensor, v_grid: Tensor, layout: PageLayout) -> None:
-    """cuda_ops.store by the full search (the grid records only speed the kernel up)."""
+    """cuda_ops.store by the full search (the grid records only speed the kernel up), and
+    the exact store's entries."""
     reference.store(kv_cache, key, value, slot_mapping, k_cb, v_cb, layout)
+    reference.exact_update(kv_cache, key, value, slot_mapping, k_cb, v_cb, layout)
 
 
 def window_write(win_k: Tensor, win_v: Tensor, key: Tensor, value: Tensor, tokens: Tensor,

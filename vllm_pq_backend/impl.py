@@ -7,9 +7,8 @@ from vllm import envs
 from vllm.logger import init_logger
 from vllm.v1.attention.backend import AttentionImpl, AttentionLayer, AttentionType
 
-from . import codebooks, cuda_ops, fallback, kernels, nearest, ops, plans
+from . import codebooks, cuda_ops, exact, fallback, kernels, nearest, ops, plans
 from .engine_config import EngineConfig
-from .layout import PageLayout
 from .metadata import PQMetadata
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler, see __init__
@@ -59,7 +58,7 @@ class LayerState:
                              f"{dtype}'s range; run the model in bfloat16 or recalibrate.")
         # contiguous: linalg.inv returns column-major matrices, the map kernel reads rows
         self.maps = {k: None if t is None else t.to(device).contiguous() for k, t in maps.items()}
-        self.layout = PageLayout(cfg.block_size, cfg.m_k, cfg.m_v)
+        self.layout = cfg.layout()
         self.window = cfg.window
         self.sliding_window = impl.sliding_window
         self.sinks = impl.sinks
@@ -82,7 +81,8 @@ class LayerState:
         pages = plans.prefill_page_tokens(cfg.max_model_len, cfg.block_size)
         self.prefill_scratch = plans.prefill_scratch_bytes(
             pages, impl.num_kv_heads, self.d, self.layout, self.window, envs.VLLM_BATCH_INVARIANT)
-        self.decode_workspace = 4 * (self.d + 1) * plans.workspace_slots(
+        per_slot = self.d + 1 + (exact.corr_floats(self.d) if cfg.exact else 0)
+        self.decode_workspace = 4 * per_slot * plans.workspace_slots(
             cfg.max_decode_rows, impl.num_heads, impl.num_kv_heads, plans.num_sms(device))
         if on_gpu:  # freed at once: the peak counts
             torch.empty(self.prefill_scratch + self.decode_workspace, dtype=torch.uint8,

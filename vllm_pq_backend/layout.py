@@ -25,6 +25,31 @@ prefill (any chunking), decode, batching, preemption and prefix caching on or of
 see exactly the same keys. Codes are written for every token, so shared blocks are
 always readable. ``W = 0`` reads every key through its codes.
 
+Exact store
+-----------
+With ``exact = P > 0`` each (block, KV head) region also holds, after the V codes, the
+``P`` keys and the ``P`` values of the page whose codes err most (squared error relative
+to the vector's, in the codebooks' mapped frame), as residuals ``x - decode(codes)`` in
+the activation dtype, so that a reader adds them to what the codes give::
+
+    offset B*(Mk+Mv)          K residuals [P][D]   16-bit
+           + 2 P D            V residuals [P][D]
+           + 4 P D            K errors [P], V errors [P]      float32
+           + 4 P D + 8 P      K in-page indices [P], V's [P]  int32, -1: empty
+
+Entries are sorted by error (largest first, the lower index on ties). The set is a
+function of the page's tokens alone: a step's tokens of a page (a run of consecutive
+positions) join the entries of the tokens before them, every entry at or after the run's
+first position is dropped (a token written again replaces the old one), and a run that
+starts the page starts from no entries, so chunking, prefix caching and recomputation
+after preemption give the same set (exact.py, reference.exact_update). Only tokens whose
+codes err (error > 0, finite) enter. The store needs ``W = B``: a query then reads through
+codes only whole pages before its own, whose entries no later token changes, so that its
+result does not depend on how the prompt was chunked. Under speculative decoding, a page
+whose rejected drafts displaced entries keeps the survivors, not the best of its final
+tokens: never a wrong vector, a few fewer exact ones. vLLM sizes the page by whole bytes
+per token: ``ceil(P (4 D + 16) / B)`` more per token and KV head.
+
 Non-finite keys and values
 --------------------------
 Code ``NAN_CODE`` of subspace 0 is reserved: the store writes it for a (token, KV head)
@@ -45,6 +70,15 @@ HEAD_DIMS = (64, 128, 256)  # head sizes the kernels are built for
 # (bits per element of K, of V) -> subspaces per head: 8-bit codes over head_dim / M dims
 # are 8 M / head_dim bits per element. csrc/gen_units.py builds a decode kernel for each.
 BIT_RATES = ((1, 1), (2, 2), (4, 4), (4, 2))
+RESIDUAL_BYTES = 2  # exact store residuals: the activation dtype (bf16 or fp16)
+
+
+def residual_dtype(dtype):
+    """The exact store's residuals' dtype for activations of ``dtype``: the same, 16-bit as
+    served; float32 (the reference path in tests) stores bfloat16."""
+    import torch
+
+    return dtype if dtype.itemsize == RESIDUAL_BYTES else torch.bfloat16
 
 
 def subspaces(head_dim: int, bits: int) -> int:
@@ -83,11 +117,41 @@ class PageLayout:
     block_size: int
     m_k: int  # K subspaces per head: bytes of K codes per token
     m_v: int  # V subspaces per head
+    head_dim: int = 0  # needed with an exact store
+    exact: int = 0  # exact store entries per page and KV head, of K and of V (see above)
+
+    def __post_init__(self):
+        if self.exact < 0 or (self.exact and self.head_dim <= 0):
+            raise ValueError(f"exact store of {self.exact} entries needs exact >= 0 and the "
+                             f"head size (got {self.head_dim})")
+
+    @property
+    def exact_bytes(self) -> int:
+        return self.exact * (2 * RESIDUAL_BYTES * self.head_dim + 16)
 
     @property
     def state_bytes(self) -> int:
         """Bytes per (token, KV head): vLLM's ``state_content_bytes``."""
-        return self.m_k + self.m_v
+        return self.m_k + self.m_v + -(-self.exact_bytes // self.block_size)
+
+    @property
+    def exact_offset(self) -> int:
+        return self.block_size * (self.m_k + self.m_v)
+
+    def residual_offset(self, which: int) -> int:
+        """Byte offset of the K (``which`` 0) or V (1) residuals in a region."""
+        return self.exact_offset + which * self.exact * self.head_dim * RESIDUAL_BYTES
+
+    def error_offset(self, which: int) -> int:
+        return self.residual_offset(2) + 4 * which * self.exact
+
+    def index_offset(self, which: int) -> int:
+        return self.error_offset(2) + 4 * which * self.exact
+
+    def bits(self) -> tuple[float, float]:
+        """Bits per element of K and of V, the exact store's bytes shared between them."""
+        extra = 8 * (self.state_bytes - self.m_k - self.m_v) / (2 * self.head_dim or 1)
+        return 8 * self.m_k / self.head_dim + extra, 8 * self.m_v / self.head_dim + extra
 
     @property
     def head_bytes(self) -> int:

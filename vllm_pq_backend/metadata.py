@@ -18,7 +18,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
-from . import cuda_ops, plans
+from . import cuda_ops, exact, plans
 from .codes_attention import CodesShape
 from .engine_config import EngineConfig, callers_locals
 from .layout import window_row
@@ -189,8 +189,10 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
         q_heads = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
         group = max(1, q_heads // kv_heads)
         self.ctas_per_split = plans.ctas_per_split(q_heads, kv_heads)
-        self.codes_shape = CodesShape(group, kv_cache_spec.head_size, kv_heads, self.num_sms)
-        self.ws_o = self.ws_lse = None
+        # the codes kernel does not read the exact store: its prefills dequantize pages
+        self.codes_shape = (None if self.cfg.exact else
+                            CodesShape(group, kv_cache_spec.head_size, kv_heads, self.num_sms))
+        self.ws_o = self.ws_lse = self.ws_corr = None
         if dev.type == "cuda":
             # (LayerState reserves these bytes in the profiling run: vLLM sizes the KV cache
             # before it builds this)
@@ -199,6 +201,9 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
             self.ws_o = torch.empty(slots * kv_cache_spec.head_size, dtype=torch.float32,
                                     device=dev)
             self.ws_lse = torch.empty(slots, dtype=torch.float32, device=dev)
+            if self.cfg.exact:
+                self.ws_corr = torch.empty(slots * exact.corr_floats(kv_cache_spec.head_size),
+                                           dtype=torch.float32, device=dev)
         self.batch_invariant = bool(envs.VLLM_BATCH_INVARIANT)
         if self.batch_invariant:
             logger.info(
@@ -328,4 +333,5 @@ class PQMetadataBuilder(AttentionMetadataBuilder[PQMetadata]):
             num_ctas=plans.num_ctas_for(self.ctas_per_split, self.num_sms),
             ws_o=self.ws_o,
             ws_lse=self.ws_lse,
+            ws_corr=self.ws_corr,
         )

@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-from . import codes_attention, fallback
+from . import codes_attention, exact, fallback
 from .plans import (
     BatchInvariantPlan,
     CodesPlan,
@@ -67,6 +67,13 @@ def decode(out, query, key, value, kv_cache, md, st, scale: float) -> None:
     nd, w, plan = md.num_decodes, st.window, md.decode
     hq = query.shape[1]
     slots = nd * hq * plan.num_splits
+    corr = query.new_empty(0, dtype=torch.float32)
+    if st.layout.exact:  # the exact store's corrections, one per split, merged by the kernel
+        corr = plan.ws_corr[: slots * exact.corr_floats(st.d)]
+        exact.decode_corrections(
+            corr, query[:nd], kv_cache, md.block_table, md.seq_lens, st.k_cb, st.v_cb, window=w,
+            sliding_window=st.sliding_window, scale=scale, slots=plan.num_splits,
+            layout=st.layout)
 
     def empty():  # a tensor of its own for each mutable argument the op is not given
         return query.new_empty(0)
@@ -85,7 +92,8 @@ def decode(out, query, key, value, kv_cache, md, st, scale: float) -> None:
         min_split=plan.min_split, num_ctas=plan.num_ctas, scale=scale,
         sinks=empty() if st.sinks is None else st.sinks,
         lut=lut_scores(hq, st.k_cb.shape[0], st.d, st.layout.m_k),
-        ws_o=plan.ws_o[: slots * st.d], ws_lse=plan.ws_lse[:slots], layout=st.layout,
+        ws_o=plan.ws_o[: slots * st.d], ws_lse=plan.ws_lse[:slots], corr=corr,
+        corr_slots=plan.num_splits, layout=st.layout,
     )
 
 

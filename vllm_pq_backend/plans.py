@@ -52,6 +52,7 @@ class DecodePlan:
     # before CUDA graph capture and never reallocated (None off CUDA)
     ws_o: torch.Tensor | None
     ws_lse: torch.Tensor | None
+    ws_corr: torch.Tensor | None = None  # the exact store's corrections (exact.py), per split
     min_split: int = MIN_SPLIT_TOKENS
 
 

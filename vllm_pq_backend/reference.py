@@ -2,17 +2,18 @@
 
 Runs on CPU and GPU. Shapes: K/V rows ``[tokens, kv_heads, head_dim]``; centroids
 ``[kv_heads, M, 256, head_dim/M]`` (float32; K and V each with their own M); the layer's
-cache ``[blocks, kv_heads, B, Mk+Mv]``
-uint8 laid out as ``layout.PageLayout`` says; the window store ``[rows, kv_heads, W, d]``.
+cache ``[blocks, kv_heads, B, state bytes]`` uint8 laid out as ``layout.PageLayout`` says
+(codes, then the exact store's entries); the window store ``[rows, kv_heads, W, d]``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .layout import NAN_CODE, PageLayout, window_start
+from .layout import NAN_CODE, PageLayout, residual_dtype, window_start
 
 _ENCODE_CHUNK = 1024
+TINY = 1e-30  # floor of |x|^2 in the exact store's relative error (a zero vector's codes)
 
 
 def encode(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
@@ -82,6 +83,101 @@ def store(kv_cache, key, value, slot_mapping, k_cb, v_cb, layout: PageLayout) ->
     regions[v_at] = encode(value[keep], v_cb)
 
 
+def exact_entries(kv_cache, layout: PageLayout, which: int, dtype):
+    """Views into every region of the exact store's entries of K (``which`` 0) or V (1):
+    residuals ``[blocks, H, P, d]`` (``residual_dtype(dtype)``, ``dtype`` the
+    activations'), errors ``[blocks, H, P]`` float32, in-page indices ``[blocks, H, P]``
+    int32 (layout.py)."""
+    dtype = residual_dtype(dtype)
+    nb, h, b, sb = kv_cache.shape
+    reg = kv_cache.view(torch.uint8).reshape(nb, h, b * sb)
+    p, d = layout.exact, layout.head_dim
+
+    def part(off, nbytes, dt):
+        return reg[..., off : off + nbytes].view(dt)
+
+    res = part(layout.residual_offset(which), p * d * dtype.itemsize, dtype).unflatten(-1, (p, d))
+    return (res, part(layout.error_offset(which), 4 * p, torch.float32),
+            part(layout.index_offset(which), 4 * p, torch.int32))
+
+
+def code_errors(x, xhat):
+    """Squared error of the codes relative to the vector's, over the last dim (fp32): what
+    the exact store ranks by; NaN for a non-finite vector."""
+    x = x.float()
+    return ((x - xhat) ** 2).sum(-1) / (x * x).sum(-1).clamp_min(TINY)
+
+
+def exact_update(kv_cache, key, value, slot_mapping, k_cb, v_cb, layout: PageLayout) -> None:
+    """The exact store's entries of the pages this step wrote (after ``store``): for each
+    run of consecutive slots of one block, per KV head, the ``P`` largest-error tokens of
+    the entries kept from before the run (those before its first position; none if it
+    starts the page) and the run's tokens, by error then lower index (layout.py)."""
+    p, b = layout.exact, layout.block_size
+    if not p:
+        return
+    slots = slot_mapping.tolist()
+    runs = []  # [block, first in-page index, first row, rows]
+    for t, s in enumerate(slots):
+        if s < 0:
+            continue
+        if t > 0 and slots[t - 1] == s - 1 and s % b:
+            runs[-1][3] += 1
+        else:
+            runs.append([s // b, s % b, t, 1])
+    for which, x, cb in ((0, key, k_cb), (1, value, v_cb)):
+        res, err, idx = exact_entries(kv_cache, layout, which, x.dtype)
+        for blk, i0, t0, n in runs:
+            rows = x[t0 : t0 + n].float()
+            codes = codes_at(kv_cache, slot_mapping[t0 : t0 + n], layout)[which]
+            xhat = decode_codes(codes, cb.float())
+            e = code_errors(rows, xhat)  # [n, H]
+            for h in range(x.shape[1]):
+                cand = []  # (error, in-page index, residual)
+                if i0 > 0:
+                    cand = [(float(err[blk, h, j]), int(idx[blk, h, j]), res[blk, h, j].clone())
+                            for j in range(p)
+                            if 0 <= int(idx[blk, h, j]) < i0 and float(err[blk, h, j]) > 0]
+                cand += [(float(e[r, h]), i0 + r, (rows[r, h] - xhat[r, h]).to(res.dtype))
+                         for r in range(n) if float(e[r, h]) > 0]
+                cand.sort(key=lambda c: (-c[0], c[1]))
+                for j in range(p):
+                    if j < len(cand):
+                        err[blk, h, j], idx[blk, h, j], res[blk, h, j] = cand[j]
+                    else:
+                        err[blk, h, j], idx[blk, h, j], res[blk, h, j] = 0.0, -1, 0.0
+
+
+def page_residuals(kv_cache, block_ids, layout: PageLayout, which: int, dtype):
+    """The exact store's residuals of the pages ``block_ids`` as dense pages ``[n, B, H,
+    d]`` fp32, zero where a token has none (an entry counts if its index is in the page and
+    its error positive)."""
+    n, h, b = block_ids.numel(), kv_cache.shape[1], layout.block_size
+    out = torch.zeros(n, b, h, layout.head_dim, dtype=torch.float32, device=kv_cache.device)
+    if not layout.exact:
+        return out
+    res, err, idx = (t[block_ids.long()] for t in exact_entries(kv_cache, layout, which, dtype))
+    idx = idx.long()
+    live = (idx >= 0) & (idx < b) & (err > 0)
+    page = torch.arange(n, device=out.device).view(n, 1, 1).expand_as(idx)
+    head = torch.arange(h, device=out.device).view(1, h, 1).expand_as(idx)
+    out[page[live], idx[live], head[live]] = res[live].float()
+    return out
+
+
+def read_vectors(kv_cache, blocks, length: int, k_cb, v_cb, layout: PageLayout, dtype):
+    """K and V ``[length, H, d]`` fp32 of one sequence as a reader sees them: its codes
+    decoded, plus the exact store's residuals (``dtype``: theirs)."""
+    kc, vc = read_codes(kv_cache, blocks, length, layout)
+    out = [decode_codes(kc, k_cb).float(), decode_codes(vc, v_cb).float()]
+    if layout.exact:
+        ids = blocks[: -(-length // layout.block_size)]
+        for which in (0, 1):
+            r = page_residuals(kv_cache, ids, layout, which, dtype)
+            out[which] = out[which] + r.flatten(0, 1)[:length]
+    return out
+
+
 def codes_at(kv_cache, slots, layout: PageLayout):
     """K and V codes ``[n, H, Mk]``, ``[n, H, Mv]`` stored at ``slots``."""
     regions, k_at, v_at = _code_index(kv_cache, slots, layout)
@@ -97,16 +193,19 @@ def read_codes(kv_cache, blocks, length: int, layout: PageLayout):
 
 def dequant_pages(kv_cache, block_ids, k_cb, v_cb, layout: PageLayout):
     """K and V of the pages ``block_ids`` in ``k_cb``'s dtype, FlashAttention's paged layout
-    ``[n, B, H, d]`` (cuda_ops.dequant_pages)."""
+    ``[n, B, H, d]`` (cuda_ops.dequant_pages), the exact store's residuals added."""
     check_index("block_ids", block_ids, 0, kv_cache.shape[0])
     n = block_ids.numel()
     b, mk, mv = layout.block_size, layout.m_k, layout.m_v
     reg = kv_cache.view(torch.uint8).flatten(2)[block_ids.long()]  # [n, H, B*(Mk+Mv)]
     h = reg.shape[1]
     kc = reg[..., layout.k_offset : layout.k_offset + b * mk].view(n, h, b, mk)
-    vc = reg[..., layout.v_offset :].view(n, h, mv, b).transpose(2, 3)
+    vc = reg[..., layout.v_offset : layout.v_offset + mv * b].view(n, h, mv, b).transpose(2, 3)
     k = decode_codes(kc.permute(0, 2, 1, 3), k_cb)  # [n, B, H, d]
     v = decode_codes(vc.permute(0, 2, 1, 3), v_cb)
+    if layout.exact:
+        k = (k.float() + page_residuals(kv_cache, block_ids, layout, 0, k_cb.dtype)).to(k_cb.dtype)
+        v = (v.float() + page_residuals(kv_cache, block_ids, layout, 1, v_cb.dtype)).to(v_cb.dtype)
     return k.contiguous(), v.contiguous()
 
 
@@ -191,9 +290,8 @@ def attention(
             raise ValueError(f"vllm_pq_backend: seq_lens[{r}]={total} needs {pages} blocks, "
                              f"but block_table has {block_table.shape[1]} columns")
         check_index(f"block_table[{r}]", block_table[r, :pages], 0, kv_cache.shape[0])
-        kc, vc = read_codes(kv_cache, block_table[r], total, layout)
-        k_hat = decode_codes(kc, k_cb).float()  # [total, Hkv, d]
-        v_hat = decode_codes(vc, v_cb).float()
+        # [total, Hkv, d]
+        k_hat, v_hat = read_vectors(kv_cache, block_table[r], total, k_cb, v_cb, layout, key.dtype)
         k_fp = torch.zeros_like(k_hat)
         v_fp = torch.zeros_like(v_hat)
         k_fp[first:] = key[qs:qe].float()
@@ -262,9 +360,8 @@ def codes_part(
         lo = max(0, pos - sliding_window + 1) if sliding_window > 0 else 0
         if end <= lo:
             continue
-        kc, vc = read_codes(kv_cache, block_table[requests[r]], end, layout)
-        k_hat = decode_codes(kc, k_cb).float()[lo:]  # [keys, Hkv, d]
-        v_hat = decode_codes(vc, v_cb).float()[lo:]
+        k_hat, v_hat = (x[lo:] for x in read_vectors(  # [keys, Hkv, d]
+            kv_cache, block_table[requests[r]], end, k_cb, v_cb, layout, query.dtype))
         q = query[r].float().view(hkv, g, d)
         s = torch.einsum("hgd,khd->hgk", q, k_hat) * scale
         lse[:, r] = torch.logsumexp(s, dim=-1).view(hq)

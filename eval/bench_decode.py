@@ -101,6 +101,8 @@ def copies_for(nbytes: int) -> int:
 
 SINKS_TIMING = ("with and without sinks on the same inputs, their CUDA graphs replayed in turn, "
                 "median of 15 trials each")
+EXACT_TIMING = ("with and without the exact store's corrections on the same pages, their CUDA "
+                "graphs replayed in turn, median of 15 trials each")
 
 
 class PQTime(NamedTuple):
@@ -109,22 +111,27 @@ class PQTime(NamedTuple):
     splits: int
     kernels: dict  # kernel_times, when asked
     sinks_us: float  # with an attention sink per query head, when asked
+    exact_us: float = math.nan  # with the exact store's corrections, when asked
 
 
 def bench_pq(batch, ctx, ms, gen, hq=HQ, hkv=HKV, lut=False, per_item=False, min_split=None, kernels=False,
-             window=WINDOW, lens=None, order=True, sinks=False, d=D):
+             window=WINDOW, lens=None, order=True, sinks=False, d=D, exact=0):
     """``ms``: (Mk, Mv), K and V subspaces per head; ``per_item``: a CTA per (request,
     split) item instead of the backend's CTAs that take items in turn; ``min_split``: the
     kernel's shortest split (default the backend's, 0: even splits); ``kernels``: also each
     kernel's own device time (kernel_times); ``lens``: each request's context (default
     ``ctx`` for all); ``order``: requests dealt to the CTAs longest first, as the backend
     does (False: in the batch's order); ``sinks``: also with an attention sink per query
-    head (gpt-oss), timed together with the run without on the same inputs (PQTime.sinks_us)."""
-    from vllm_pq_backend import cuda_ops, plans
+    head (gpt-oss), timed together with the run without on the same inputs (PQTime.sinks_us);
+    ``exact``: also with an exact store of that many entries per page and KV head, every
+    entry live, its corrections computed and merged (PQTime.exact_us), timed together with
+    the run without on the same pages."""
+    from vllm_pq_backend import cuda_ops, plans, reference
+    from vllm_pq_backend import exact as exact_store
     from vllm_pq_backend.layout import PageLayout
 
     assert cuda_ops.available(), "build the CUDA kernels first"
-    lay = PageLayout(PQ_BLOCK, *ms)
+    lay = PageLayout(PQ_BLOCK, *ms, d, exact)
     lens = [ctx] * batch if lens is None else lens
     code_bytes = sum(lens) * hkv * lay.state_bytes
     n = copies_for(code_bytes)
@@ -155,13 +162,33 @@ def bench_pq(batch, ctx, ms, gen, hq=HQ, hkv=HKV, lut=False, per_item=False, min
                                     lut, ws_o, ws_lse, q.new_empty(0), 0,
                                     *lay.kernel_args())
 
+    exact_us = math.nan
     if sinks:
         sink = torch.randn(hq, **bf16)
         us, sinks_us = timed_together([run, lambda i: run(i, sink)], n, trials=15)  # SINKS_TIMING
+    elif exact:
+        for which in (0, 1):  # every entry live: distinct in-page indices, some error
+            res, err, idx = reference.exact_entries(cache, lay, which, torch.bfloat16)
+            res.copy_(0.05 * torch.randn(res.shape, **bf16))
+            err.fill_(1.0)
+            idx.copy_(torch.arange(exact, device="cuda") * (PQ_BLOCK // exact))
+        corr = torch.empty(batch * hq * splits * exact_store.corr_floats(d), device="cuda")
+
+        def run_exact(i):
+            exact_store.decode_corrections(corr, q, cache, tables[i], seq, cb[0], cb[1],
+                                           window=window, sliding_window=0, scale=d**-0.5,
+                                           slots=splits, layout=lay)
+            torch.ops.pq_backend.decode(out, q, cache, tables[i], seq, order_t, cb[0], cb[1], books,
+                                        win[0], win[1], rows, new_kv[0], new_kv[1], window, 0, splits,
+                                        min_split, ctas, d**-0.5, q.new_empty(0), lut, ws_o, ws_lse,
+                                        corr, splits, *lay.kernel_args())
+
+        us, exact_us = timed_together([run, run_exact], n, trials=15)  # EXACT_TIMING
+        sinks_us = math.nan
     else:
         us, sinks_us = timed(run, n), math.nan
     must_read = code_bytes + 2 * hkv * 256 * d * 2  # codes + codebooks once
-    return PQTime(us, must_read, splits, kernel_times(run, n) if kernels else {}, sinks_us)
+    return PQTime(us, must_read, splits, kernel_times(run, n) if kernels else {}, sinks_us, exact_us)
 
 
 def kernel_times(fn_for_copy, n_copies: int, reps: int = 20) -> dict:
@@ -245,7 +272,7 @@ def g_sweep(args, gen) -> list[dict]:
             for batch in args.batches:
                 fa = min(bench_fa3(batch, ctx, blk, gen, hq=8 * g, hkv=8)[0] for blk in (16, 128))
                 for bits, ms in args.settings:
-                    mma, _, splits, _ = bench_pq(batch, ctx, ms, gen, hq=8 * g, hkv=8, lut=False)
+                    mma, _, splits, *_ = bench_pq(batch, ctx, ms, gen, hq=8 * g, hkv=8, lut=False)
                     lut = bench_pq(batch, ctx, ms, gen, hq=8 * g, hkv=8, lut=True)[0] if g == 1 else None
                     best = min(mma, lut or mma)
                     rows.append(dict(g=g, context=ctx, batch=batch, bits=bits, M_k=ms[0], M_v=ms[1],
@@ -287,6 +314,9 @@ def main() -> int:
     p.add_argument("--batch-order", action="store_true",
                    help="also time CUSTOM with its requests dealt in the batch's order (custom_batch_order_us; "
                         "always with --mix)")
+    p.add_argument("--exact", type=int, default=0,
+                   help="also time CUSTOM with an exact store of this many entries per page and "
+                        "KV head (its corrections merged), beside the run without")
     p.add_argument("--out", default="eval/results/decode_kernel.json")
     args = p.parse_args()
     from vllm_pq_backend import plans
@@ -330,9 +360,9 @@ def main() -> int:
                         for b in (16, 128)) if args.sinks else nan)
         tq, tq_bytes = (nan, 0) if args.no_turboquant else bench_turboquant(batch, ctx, gen, hq, hkv)
         for bits, ms in args.settings:
-            us, must, splits, ktimes, with_sinks = bench_pq(
+            us, must, splits, ktimes, with_sinks, with_exact = bench_pq(
                 batch, top, ms, gen, hq, hkv, min_split=args.min_split, kernels=args.kernel_times,
-                window=args.window, lens=lens, sinks=args.sinks, d=d)
+                window=args.window, lens=lens, sinks=args.sinks, d=d, exact=args.exact)
             per_item = (bench_pq(batch, top, ms, gen, hq, hkv, per_item=True, min_split=args.min_split,
                                  window=args.window, lens=lens, d=d)[0]
                         if args.per_item else nan)
@@ -353,6 +383,8 @@ def main() -> int:
                 custom_per_item_us=_num(per_item, 2), custom_batch_order_us=_num(batch_order, 2),
                 custom_sinks_us=_num(with_sinks, 2), fa3_sinks_us=_num(fa_sinks, 2),
                 sinks_speedup_vs_fa3=_num(fa_sinks / with_sinks, 3),
+                **(dict(exact=args.exact, custom_exact_us=round(with_exact, 2),
+                        exact_speedup_vs_fa3=round(fa / with_exact, 3)) if args.exact else {}),
                 **(dict(lens=lens, mix=args.mix) if lens is not None else {}),
                 **(dict(custom_kernel_us=ktimes) if args.kernel_times else {}),
             ))
@@ -360,10 +392,12 @@ def main() -> int:
                   f"{fa / us:5.2f} {tq / us:5.2f} | {gbs:7.0f} ({100 * gbs / copy_gbs:4.1f}%)"
                   + (f" | batch order {batch_order:.1f}" if not math.isnan(batch_order) else "")
                   + (f" | sinks {with_sinks:.1f} (fa3 {fa_sinks:.1f})" if not math.isnan(with_sinks)
-                     else ""), flush=True)
+                     else "")
+                  + (f" | exact {args.exact}: {with_exact:.1f}" if args.exact else ""), flush=True)
         result = dict(stamp, shapes=dict(model=args.shape, q_heads=hq, kv_heads=hkv, head_dim=d, pq_block=PQ_BLOCK,
                       window=args.window), copy_gbs=round(copy_gbs, 1), rows=rows,
-                      **(dict(sinks_timing=SINKS_TIMING) if args.sinks else {}))
+                      **(dict(sinks_timing=SINKS_TIMING) if args.sinks else {}),
+                      **(dict(exact_timing=EXACT_TIMING) if args.exact else {}))
         with open(args.out, "w") as f:  # after each case: a cut-short run keeps its rows
             json.dump(result, f, indent=1)
     print(f"wrote {args.out}")

@@ -120,10 +120,10 @@ def _update_kernel(
                 tl.store(idx_ptr + k, at_old)
                 old_ok = old_ok & ~pick
             elif take_new:
-                rel = at_new - i0
-                x = tl.load(x_ptr + (t + rel).to(tl.int64) * x_row + h * D + dd).to(tl.float32)
-                code = tl.load(base + CODE_OFF + at_new * CODE_TOK + (dd // (D // M)) * CODE_SUB).to(tl.int32)
-                row = x - _gather(cb_ptr, h, code, dd, M, D)
+                # (names of their own: a branch may not give a loop's tensors other shapes)
+                x_new = tl.load(x_ptr + (t + at_new - i0).to(tl.int64) * x_row + h * D + dd)
+                code_new = tl.load(base + CODE_OFF + at_new * CODE_TOK + (dd // (D // M)) * CODE_SUB)
+                row = x_new.to(tl.float32) - _gather(cb_ptr, h, code_new.to(tl.int32), dd, M, D)
                 tl.store(res_ptr + k * D + dd, row.to(res_ptr.dtype.element_ty))
                 tl.store(err_ptr + k, best_new)
                 tl.store(idx_ptr + k, at_new)

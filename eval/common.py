@@ -177,8 +177,9 @@ def calibration(meta: dict) -> str:
 
 def exact_words(meta: dict) -> str:
     """The exact store of an engine's pages (meta: custom_engines'), or "": " + 2 exact
-    per page (4.31 bits)", the bits per element of K and V with the store's bytes."""
-    if not meta.get("exact"):
+    per page (4.31 bits)", the bits per element of K and V with the store's bytes.
+    (accuracy_sim's rows name by "exact" a simulated store's spec string: not this.)"""
+    if not isinstance(meta.get("exact"), int) or not meta["exact"]:
         return ""
     bits = (meta["bits_k_total"] + meta["bits_v_total"]) / 2
     return f" + {meta['exact']} exact per page ({bits:.2f} bits)"

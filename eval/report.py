@@ -26,7 +26,7 @@ import re
 import sys
 from pathlib import Path
 
-from common import calibration, calibration_words, size  # eval/ is the script's directory
+from common import calibration, calibration_words, exact_words, size  # eval/ is the script's directory
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "eval" / "results"
@@ -129,7 +129,8 @@ def cache_name(row: dict) -> str:
     codebooks were trained and calibrated where that is not the default."""
     if row.get("bits_k") in (None, 16):
         return row["label"]
-    return custom_name(row["bits_k"], row["bits_v"]) + v_training(row) + calibration(row)
+    return (custom_name(row["bits_k"], row["bits_v"]) + exact_words(row) + v_training(row)
+            + calibration(row))
 
 
 def quality_configs(rs: list[dict]) -> list[tuple[str, list[dict]]]:
@@ -148,7 +149,17 @@ def is_default(row: dict) -> bool:
 
 @table("quality-smollm2")
 def quality_smollm2() -> str:
-    data = load("accuracy.json")
+    return quality_table("accuracy.json")
+
+
+@table("exact-store")
+def exact_store() -> str:
+    return quality_table("exact_store.json")
+
+
+def quality_table(file: str) -> str:
+    """eval/quality.py's rows: bf16's perplexity per domain, the others' change."""
+    data = load(file)
     body = []
     for name, rs in quality_configs(data["rows"]):
         by = {r["eval_text"]: r for r in rs}
@@ -164,7 +175,7 @@ def quality_smollm2() -> str:
         f"{data['rows'][0]['model']}, {data['device']}, {day(data['date'])}; perplexity of bf16, "
         f"then the change against it; {data['docs_per_domain']} documents per domain cut at "
         f"{data['max_len']} tokens; greedy agreement over {data['greedy']}. "
-        + source("accuracy.json")])
+        + source(file)])
 
 
 @table("conversion")

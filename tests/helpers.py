@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import types
 
 import numpy as np
@@ -290,7 +292,7 @@ class Sim:
         largest-error tokens of each whole page (ranked in the frame the codes are in) read
         back as decoded plus their residual rounded to 16 bits."""
         from vllm_pq_backend.layout import residual_dtype, window_start
-        from vllm_pq_backend.reference import code_errors, decode_codes, encode
+        from vllm_pq_backend.reference import code_errors, decode_codes, encode, map_rows
 
         st = self.impl._state
         r = self.reqs[rid]
@@ -312,7 +314,8 @@ class Sim:
             if t is None:
                 return with_entries(x, decode_codes(encode(x, cb), cb))
             # the backend encodes the mapped row as stored: rounded to the activation dtype
-            xt = torch.einsum("nhd,hde->nhe", x, t).to(self.dtype).float()
+            # (mapped as the backend maps it, so that the exact store ranks the same bits)
+            xt = map_rows(t, x.to(self.dtype)).float()
             y = with_entries(xt, decode_codes(encode(xt, cb), cb))
             return torch.einsum("nhe,hed->nhd", y, torch.linalg.inv(t))
 
@@ -451,3 +454,15 @@ def plan_segments_loops(starts, q_lens, lens, rows, window):
                win_rows=win_rows, win_slots=win_slots, code_out=code_out, seg_req=seg_req,
                seg_col=seg_col, fp_at=fp_at)
     return i32, i64
+
+
+def compile_script(name: str) -> str:
+    """Run tests/``name`` (a script compiling Triton kernels for sm_90) in a process of its
+    own, without Triton's interpreter and on this checkout's package; its stdout."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.pathsep.join(
+        filter(None, [os.path.dirname(here), os.environ.get("PYTHONPATH")])))
+    res = subprocess.run([sys.executable, os.path.join(here, name)], env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from helpers import compile_script
 
 from vllm_pq_backend import codebooks, plans, reference
 from vllm_pq_backend.layout import NAN_CODE, PageLayout
@@ -151,19 +152,7 @@ def test_kernel_compiles_for_hopper():
     """Triton compiles the kernels for sm_90 at every head size, bfloat16 and float16, with
     no GPU (in a process of its own: the interpreter the CPU tests run in does not lower
     it), so that an error of the real compiler does not wait for a GPU."""
-    import os
-    import subprocess
-    import sys
-
-    here = os.path.dirname(os.path.abspath(__file__))
-    # this checkout's package, not whichever one is installed
-    root = os.path.dirname(here)
-    env = dict(os.environ, TRITON_INTERPRET="0",
-               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-    res = subprocess.run([sys.executable, os.path.join(here, "compile_codes_attention.py")],
-                         env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.count("compiled") == 12, res.stdout
+    assert compile_script("compile_codes_attention.py").count("compiled") == 12
 
 
 def test_first_occurrence():

@@ -167,3 +167,12 @@ def test_exact_sim_layouts_renders_the_recorded_run():
     assert "| 4 bits | in every 128-position page, the 2 keys and the 2 values whose codes err most | 4.25 | +0.27 |" in table
     assert "| 4 bits | positions 1 to 16 | 4.12 | +0.45 |" in table
     assert "in float32, cpu" in table and "sha256 119e34e236245205" in table
+
+
+def test_exact_store_table_names_each_store_by_its_bits():
+    """The vLLM run with and without the exact store: rows named by bits per element with
+    the store's bytes, the page's bytes in the ratio to bf16."""
+    table = report.TABLES["exact-store"]()
+    assert "| CUSTOM 4 bits, calibrated on 2K-token sequences | 1/4 |" in table
+    assert "| CUSTOM 4 bits + 2 exact per page (4.31 bits), calibrated on 2K-token sequences | 1/3.7 |" in table
+    assert "Source: `eval/results/exact_store.json`." in table

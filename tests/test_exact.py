@@ -9,7 +9,9 @@ import math
 import pytest
 import torch
 
-from vllm_pq_backend import codebooks, exact, reference
+from helpers import compile_script
+
+from vllm_pq_backend import codebooks, cuda_ops, exact, reference
 from vllm_pq_backend.config import PQConfig
 from vllm_pq_backend.layout import NAN_CODE, PageLayout
 
@@ -220,8 +222,9 @@ def test_decode_corrections_give_the_reference(dtype, window, sliding, slots):
     for pos in range(ws, length):
         win[0, :, pos % max(window, 1)] = c["key"][pos]
         win_v[0, :, pos % max(window, 1)] = c["value"][pos]
+    # the reference with the centroids as the kernels read them (rounded to ``dtype``)
     want = reference.attention(
-        q, c["key"][-1:], c["value"][-1:], cache, c["k_cb"], c["v_cb"], lay, [0, 1], [length],
+        q, c["key"][-1:], c["value"][-1:], cache, kcb.float(), vcb.float(), lay, [0, 1], [length],
         c["blocks"][None], scale, window, win, win_v, [0], sliding)[0]
     plain = split[0] / split[1][:, None]
     err = (out - want).norm(dim=-1) / want.norm(dim=-1)
@@ -246,3 +249,16 @@ def test_nan_marked_token_with_an_entry_makes_decode_nan():
                              c["k_cb"].half().to(DEV), c["v_cb"].half().to(DEV), window=32,
                              sliding_window=0, scale=0.125, slots=1, layout=c["lay"])
     assert corr[0, :3].isnan().any() and not corr[0, 3:].isnan().any()
+
+
+def test_kernels_compile_for_sm90():
+    """Triton's interpreter runs programs its compiler refuses (a branch that gives a loop's
+    tensor another shape): compile every kernel for sm_90, no GPU needed."""
+    assert compile_script("compile_exact.py").count("compiled") == 30
+
+
+def test_ops_refuse_a_page_of_another_layout():
+    lay = PageLayout(32, 32, 32, 64, 2)
+    cuda_ops.check_page(torch.zeros(1, 1, 32, lay.state_bytes, dtype=torch.uint8), lay)
+    with pytest.raises(ValueError, match="bytes per token"):
+        cuda_ops.check_page(torch.zeros(1, 1, 32, 64, dtype=torch.uint8), lay)

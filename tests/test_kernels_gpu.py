@@ -608,7 +608,7 @@ def _decode_args(c, **over):
 
 
 @pytest.mark.parametrize("bad,message", [
-    ("cache_bytes", "kv_cache has shape"),
+    ("cache_bytes", "fewer than the codes'"),
     ("q_dtype", "q must be float16 or bfloat16"),
     ("k_cb_dtype", "k_cb must be"),
     ("table_dtype", "block_table must be Int"),
@@ -637,7 +637,7 @@ def test_decode_rejects_bad_inputs(bad, message):
 
     q_rows = torch.empty(2, c["q"][0].numel() + 4, dtype=c["q"].dtype, device=DEV)[:, 4:]
     over = {
-        "cache_bytes": dict(cache=c["cache"][..., :-1]),
+        "cache_bytes": dict(cache=c["cache"][..., :-1].contiguous()),
         "q_dtype": dict(q=c["q"].float(), out=torch.empty_like(c["q"].float())),
         "k_cb_dtype": dict(k_cb=c["k_cb"].float()),
         "table_dtype": dict(table=c["table"].long()),
@@ -667,7 +667,7 @@ def test_store_rejects_bad_inputs():
     k_cb = torch.randn(2, 32, 256, 2, device=DEV)
     v_cb = torch.randn(2, 16, 256, 4, device=DEV)
     torch.ops.pq_backend.store(cache, key, key, slots, k_cb, v_cb, NO_GRID, NO_GRID, *lay.kernel_args())  # fine
-    with pytest.raises(RuntimeError, match="kv_cache has shape"):  # page sized for Mk = Mv = 32
+    with pytest.raises(RuntimeError, match="fewer than the codes'"):  # V codebooks of Mv = 32
         torch.ops.pq_backend.store(cache, key, key, slots, k_cb, k_cb, NO_GRID, NO_GRID, *lay.kernel_args())
     with pytest.raises(RuntimeError, match="slot_mapping must be Long"):
         torch.ops.pq_backend.store(cache, key, key, slots.int(), k_cb, v_cb, NO_GRID, NO_GRID, *lay.kernel_args())

@@ -149,6 +149,10 @@ CHECKS = {
         dict(layer={"sliding_window": w}) for w in (64, 128)],
     "a `window` not below the model's sliding window": [
         dict(layer={"sliding_window": w}, pq={"window": 128}) for w in (64, 128)],
+    "the exact store (`\"exact\": P`, the window the block size)": [
+        dict(pq={"exact": p}) for p in (1, 2, 16)],
+    "the exact store with a window other than the block size": [
+        dict(pq={"exact": 2, "window": w}) for w in (0, 32, 64)],
     "prefix caching": [dict(engine={"cache_config.enable_prefix_caching": True})],
     "chunked prefill": [dict(engine={"scheduler_config.enable_chunked_prefill": True,
                                      "scheduler_config.max_num_batched_tokens": 64})],

@@ -36,11 +36,20 @@ def available() -> bool:
     return True
 
 
+def check_page(kv_cache: Tensor, layout: PageLayout) -> None:
+    """The pages hold ``layout``'s bytes per token: the ops check the codes' offsets and
+    that the codes fit, not the exact store's bytes after them (layout.py)."""
+    if kv_cache.shape[-1] != layout.state_bytes:
+        raise ValueError(f"vllm_pq_backend: kv_cache has {kv_cache.shape[-1]} bytes per token, "
+                         f"its layout {layout.state_bytes}")
+
+
 def store(kv_cache: Tensor, key: Tensor, value: Tensor, slot_mapping: Tensor, k_cb: Tensor,
           v_cb: Tensor, k_grid: Tensor, v_grid: Tensor, layout: PageLayout) -> None:
     """Codes of ``key`` / ``value [n, Hkv, D]`` (nearest of the fp32 centroids ``k_cb`` /
     ``v_cb``; the grid records (nearest.py) where not empty) into the pages at
-    ``slot_mapping`` (int64, -1 skipped)."""
+    ``slot_mapping`` (int64, -1 skipped), then the exact store's entries."""
+    check_page(kv_cache, layout)
     torch.ops.pq_backend.store(kv_cache, key, value, slot_mapping, k_cb, v_cb, k_grid, v_grid,
                                *layout.kernel_args())
     exact.update(kv_cache, key, value, slot_mapping, k_cb, v_cb, layout)
@@ -71,6 +80,7 @@ def dequant_pages(kv_cache: Tensor, block_ids: Tensor, first: Tensor | None, k_c
     ``extra_pages`` after them are left unwritten. Launched from C++: about 38 us of host
     time a layer, where a Triton launch took 116 us. The exact store's residuals are
     added after (exact.add_to_pages)."""
+    check_page(kv_cache, layout)
     ids = block_ids.reshape(-1)
     k, v = torch.ops.pq_backend.dequant_pages(kv_cache, ids, first, k_cb, v_cb, extra_pages,
                                               *layout.kernel_args())
@@ -127,6 +137,7 @@ def decode(out: Tensor, q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_le
     joins every query's softmax denominator once (reference.add_sink). ``corr`` ``[R, Hq,
     corr_slots, D + 2]`` (empty: none): the exact store's corrections
     (exact.decode_corrections), added in the merge."""
+    check_page(kv_cache, layout)
     torch.ops.pq_backend.decode(
         out, q, kv_cache, block_table, seq_lens, order, k_cb, v_cb, books, win_k, win_v, rows,
         new_k, new_v, window, sliding_window, num_splits, min_split, num_ctas, scale, sinks,

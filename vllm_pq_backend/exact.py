@@ -9,8 +9,8 @@ where the truth is ``2^s v`` (``s = s^ + q.r_k``, ``v = v^ + r_v``, either resid
 where the token has no entry). ``decode_corrections`` sums ``2^s v - 2^s^ v^`` and ``2^s -
 2^s^`` per (request, query head) and split of the pages, relative to a running maximum,
 and the decode kernel's merge adds them to the splits' numerators and denominators
-(csrc/pq_decode.cu). Subtracting the codes' term leaves the kernel alone: it reads P
-entries per page instead of B tokens, a few percent of the codes' work.
+(csrc/pq_decode.cu). Subtracting the codes' term leaves the kernel as it is: the
+corrections read only the entries of each page.
 
 Triton rather than CUDA: these are gathers and short sums over a few entries per page,
 and Triton's interpreter runs the same kernels on the CPU in the tests."""

@@ -343,12 +343,13 @@ def _log_memory(impl: PQAttentionImpl, st: LayerState) -> None:
     else:
         window = "No window."
     logger.info(
-        "vllm_pq_backend: %s, %s, block %d, window %d, %d layers. KV pages: %d B/token "
+        "vllm_pq_backend: %s, %s, block %d, window %d, exact store %d per page, %d layers. "
+        "KV pages: %d B/token "
         "(dense %s: %d B/token, %.1fx less). %s Codebooks: %.1f MiB. Prefill pages "
         "(transient, one layer): %.1f MiB. Decode split results: %.1f MiB.",
         codebooks.describe_m(impl.head_size, st.layout.m_k, st.layout.m_v),
         f"CUDA kernels ({kernels.load()})" if st.kernels else "PyTorch reference path (slow)",
-        st.layout.block_size, st.window, layers, per_token, st.k_cb.dtype,
+        st.layout.block_size, st.window, st.layout.exact, layers, per_token, st.k_cb.dtype,
         dense, dense / per_token, window, books / 2**20, st.prefill_scratch / 2**20,
         st.decode_workspace / 2**20,
     )

@@ -158,6 +158,35 @@ def test_kernel_update_matches_reference(dtype, d, mk, mv, block, p):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_kernel_update_matches_reference_in_a_batch(dtype):
+    """A step of several requests as vLLM sends it: padding (-1) between and after them,
+    block 0 right after padding, runs across a page boundary, a decode row."""
+    c = make_case(dtype=dtype, length=150, seed=5)
+    lay, gen = c["lay"], torch.Generator().manual_seed(6)
+    base = write(c, [0, 100], reference.exact_update)  # the first 100 positions before
+    slots = torch.cat([c["slots"][100:101], torch.tensor([-1, -1]), torch.arange(0, 20),
+                       c["slots"][101:150], torch.tensor([-1] * 3)])
+    n, h, d = len(slots), 2, 64
+    key = torch.randn(n, h, d, generator=gen).to(dtype)
+    value = torch.randn(n, h, d, generator=gen).to(dtype)
+    want, got = base.clone(), base.to(DEV)
+    reference.store(want, key, value, slots, c["k_cb"], c["v_cb"], lay)
+    reference.exact_update(want, key, value, slots, c["k_cb"], c["v_cb"], lay)
+    reference.store(got, key.to(DEV), value.to(DEV), slots.to(DEV), c["k_cb"].to(DEV),
+                    c["v_cb"].to(DEV), lay)
+    exact.update(got, key.to(DEV), value.to(DEV), slots.to(DEV), c["k_cb"].to(DEV),
+                 c["v_cb"].to(DEV), lay)
+    got = got.cpu()
+    for which in (0, 1):
+        r1, e1, i1 = reference.exact_entries(want, lay, which, dtype)
+        r2, e2, i2 = reference.exact_entries(got, lay, which, dtype)
+        used = torch.cat([c["blocks"].long(), torch.zeros(1, dtype=torch.long)])
+        assert (i1[used] >= 0).any()
+        assert torch.equal(i1[used], i2[used]) and torch.equal(r1[used], r2[used])
+        assert torch.allclose(e1[used], e2[used], rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_pages_get_the_residuals(dtype):
     c = make_case(dtype=dtype)
     cache = write(c, [0, 150], reference.exact_update)

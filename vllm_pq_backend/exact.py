@@ -104,6 +104,8 @@ def _update_kernel(
         old_res = tl.load(res_ptr + pj[:, None] * D + dd[None, :], mask=pm[:, None], other=0.0)
         # entries before the run stay candidates (none when it starts the page)
         old_ok = pm & (old_idx >= 0) & (old_idx < i0) & (old_err > 0)
+        # every thread has read the old entries before any slot is written over
+        tl.debug_barrier()
         for k in tl.static_range(P):
             best_old = tl.max(tl.where(old_ok, old_err, -1.0), axis=0)
             best_new = tl.max(tl.where(new_ok, err, -1.0), axis=0)
@@ -136,7 +138,10 @@ def _update_kernel(
 
 def update(kv_cache, key, value, slot_mapping, k_cb, v_cb, layout: PageLayout) -> None:
     """reference.exact_update on the GPU: after the step's codes are stored, the exact
-    store's entries of every page it wrote; ``k_cb`` / ``v_cb`` the fp32 centroids."""
+    store's entries of every page it wrote; ``k_cb`` / ``v_cb`` the fp32 centroids. One
+    program per run reads and rewrites its page's entries, so a page must have one run per
+    step: vLLM writes a block for one request only (a prefix-cache hit is whole blocks that
+    are never written again, and the block a fully cached prompt recomputes is a new one)."""
     n, h = slot_mapping.numel(), key.shape[1]
     if not layout.exact or n == 0:
         return

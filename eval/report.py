@@ -770,8 +770,11 @@ def baseline_bits() -> dict:
 
 
 def long_bits(e: dict, base: dict) -> str:
+    """Bits per element of K and V, an exact store's bytes included."""
     if e.get("bits_k") in (None, 16):
         return base.get(e["label"], "?")
+    if exact_words(e):
+        return f"{(e['bits_k_total'] + e['bits_v_total']) / 2:.2f}"
     return f"{(e['bits_k'] + e['bits_v']) / 2:g}"
 
 
@@ -830,7 +833,7 @@ def long_context() -> str:
             f0, f1 = fidelity(sec, e, first), fidelity(sec, e, far)
             gap = "reference" if ref else f"{pct(f0['delta_pct'])} / {pct(f1['delta_pct'])}"
             top1 = "" if ref else f"{100 * f1['top1_agreement']:.1f}%"
-            name = custom_name(e["bits_k"], e["bits_v"]) + calibration(e) \
+            name = custom_name(e["bits_k"], e["bits_v"]) + exact_words(e) + calibration(e) \
                 if e.get("bits_k") not in (None, 16) and is_default(e) else cache_name(e)
             body.append([f"{model}, {longest // 1024}K", name, long_bits(e, base),
                          *long_cells(sec, e, longest), gap, top1])
@@ -907,7 +910,7 @@ def calibrated_name(e: dict) -> str:
     """A CUSTOM row by its bits and how its codebooks were calibrated, the default named too."""
     words = calibration(e) or (", calibrated on " + calibration_words(
         None, e["calib_seq_len"], e["calib_pack"]) + " (default)")
-    return custom_name(e["bits_k"], e["bits_v"]) + words
+    return custom_name(e["bits_k"], e["bits_v"]) + exact_words(e) + words
 
 
 def only_each(a: dict, b: dict) -> tuple[int, int]:

@@ -176,3 +176,12 @@ def test_exact_store_table_names_each_store_by_its_bits():
     assert "| CUSTOM 4 bits, calibrated on 2K-token sequences | 1/4 |" in table
     assert "| CUSTOM 4 bits + 2 exact per page (4.31 bits), calibrated on 2K-token sequences | 1/3.7 |" in table
     assert "Source: `eval/results/exact_store.json`." in table
+
+
+def test_long_context_rows_name_an_exact_store_and_count_its_bytes():
+    e = dict(bits_k=4, bits_v=2, exact=2, bits_k_total=4.27, bits_v_total=2.27,
+             calib_seq_len=32768, calib_pack=True, calib_tokens=131072, calib_model_context=32768,
+             method="{}")
+    assert report.long_bits(e, {}) == "3.27"
+    assert report.long_bits(dict(e, exact=0), {}) == "3"
+    assert "+ 2 exact per page (3.27 bits)" in report.calibrated_name(e)

@@ -412,9 +412,6 @@ std::tuple<Tensor, Tensor> dequant_pages(const Tensor& kv_cache, const Tensor& b
   }
   TORCH_CHECK(extra_pages >= 0, "vllm_pq_backend: extra_pages must be >= 0, got ", extra_pages);
   const int64_t b = kv_cache.size(2);
-  // bytes after the codes hold the exact store (layout.py), which these kernels do not read
-  TORCH_CHECK(kv_cache.size(3) >= m_k + m_v, "vllm_pq_backend: kv_cache has ", kv_cache.size(3),
-              " bytes per token, fewer than the codes' ", m_k + m_v);
   Tensor k = at::empty({n + extra_pages, b, heads, d}, k_cb.options());
   Tensor v = at::empty_like(k);
   a.block_ids = block_ids.data_ptr<int32_t>();

@@ -28,11 +28,10 @@ for dtype in ("bf16", "fp16"):
     for d, mk, mv, p in ((64, 32, 16, 2), (128, 64, 64, 1), (256, 128, 64, 4)):
         lay = PageLayout(128, mk, mv, d, p)
         for which, m in ((0, mk), (1, mv)):
-            c = exact._consts(lay, which)
-            build("update", exact._update_kernel, dict(c, M=m, DC=min(exact.DIMS, d)), dtype)
-            build("pages", exact._pages_kernel, dict(
-                HAS_FIRST=which == 0, **{k: c[k] for k in ("RES_OFF", "ERR_OFF", "IDX_OFF", "D", "B",
-                                                           "P", "P_PAD")}), dtype)
+            entries = exact._entries(lay, which)
+            build("update", exact._update_kernel, dict(entries, **exact._codes(lay, which), M=m,
+                                                       DC=min(exact.DIMS, d)), dtype)
+            build("pages", exact._pages_kernel, dict(entries, HAS_FIRST=which == 0), dtype)
         build("decode", exact._decode_kernel, dict(
             G=4, G_PAD=4, MK=mk, MV=mv, V_OFF=lay.v_offset, RES_K=lay.residual_offset(0),
             RES_V=lay.residual_offset(1), ERR_K=lay.error_offset(0), ERR_V=lay.error_offset(1),

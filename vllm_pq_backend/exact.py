@@ -29,20 +29,19 @@ from .reference import TINY
 DIMS = 32  # head dims per step of the update's error sums
 
 
-def _code_at(layout: PageLayout, which: int) -> tuple[int, int, int]:
-    """(offset, token stride, subspace stride) of K (0) or V (1) codes in a region."""
-    if which == 0:
-        return layout.k_offset, layout.m_k, 1
-    return layout.v_offset, 1, layout.block_size
-
-
-def _consts(layout: PageLayout, which: int) -> dict:
-    off, tok, sub = _code_at(layout, which)
-    return dict(CODE_OFF=off, CODE_TOK=tok, CODE_SUB=sub,
-                RES_OFF=layout.residual_offset(which), ERR_OFF=layout.error_offset(which),
+def _entries(layout: PageLayout, which: int) -> dict:
+    """The kernels' constants of the K (``which`` 0) or V (1) entries of a region."""
+    return dict(RES_OFF=layout.residual_offset(which), ERR_OFF=layout.error_offset(which),
                 IDX_OFF=layout.index_offset(which), P=layout.exact,
                 P_PAD=triton.next_power_of_2(layout.exact), D=layout.head_dim,
                 B=layout.block_size)
+
+
+def _codes(layout: PageLayout, which: int) -> dict:
+    """Where K (0) or V (1) codes sit in a region: offset, token and subspace strides."""
+    if which == 0:
+        return dict(CODE_OFF=layout.k_offset, CODE_TOK=layout.m_k, CODE_SUB=1)
+    return dict(CODE_OFF=layout.v_offset, CODE_TOK=1, CODE_SUB=layout.block_size)
 
 
 @triton.jit
@@ -150,7 +149,8 @@ def update(kv_cache, key, value, slot_mapping, k_cb, v_cb, layout: PageLayout) -
     for which, x, cb in ((0, key, k_cb), (1, value, v_cb)):
         _update_kernel[(n, h)](
             kv_cache, kv_cache.stride(0), kv_cache.stride(1), x, x.stride(0), cb, slot_mapping,
-            n, TINY, M=cb.shape[1], DC=min(DIMS, layout.head_dim), **_consts(layout, which))
+            n, TINY, M=cb.shape[1], DC=min(DIMS, layout.head_dim), **_codes(layout, which),
+            **_entries(layout, which))
 
 
 @triton.jit
@@ -190,12 +190,10 @@ def add_to_pages(k, v, kv_cache, block_ids, first, layout: PageLayout) -> None:
     if not layout.exact or n == 0:
         return
     for which, out in ((0, k), (1, v)):
-        c = _consts(layout, which)
         _pages_kernel[(n, h)](
             out, h, kv_cache, kv_cache.stride(0), kv_cache.stride(1), block_ids,
             block_ids if first is None else first, HAS_FIRST=first is not None,
-            RES_OFF=c["RES_OFF"], ERR_OFF=c["ERR_OFF"], IDX_OFF=c["IDX_OFF"], D=c["D"],
-            B=c["B"], P=c["P"], P_PAD=c["P_PAD"])
+            **_entries(layout, which))
 
 
 @triton.jit

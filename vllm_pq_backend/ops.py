@@ -67,16 +67,17 @@ def decode(out, query, key, value, kv_cache, md, st, scale: float) -> None:
     nd, w, plan = md.num_decodes, st.window, md.decode
     hq = query.shape[1]
     slots = nd * hq * plan.num_splits
-    corr = query.new_empty(0, dtype=torch.float32)
+
+    def empty():  # a tensor of its own for each mutable argument the op is not given
+        return query.new_empty(0)
+
+    corr = empty()
     if st.layout.exact:  # the exact store's corrections, one per split, merged by the kernel
         corr = plan.ws_corr[: slots * exact.corr_floats(st.d)]
         exact.decode_corrections(
             corr, query[:nd], kv_cache, md.block_table, md.seq_lens, st.k_cb, st.v_cb, window=w,
             sliding_window=st.sliding_window, scale=scale, slots=plan.num_splits,
             layout=st.layout)
-
-    def empty():  # a tensor of its own for each mutable argument the op is not given
-        return query.new_empty(0)
 
     # With a window, the kernel first writes each token's key and value into it. The
     # kernel takes its requests from query's rows and reads only that many of the other

@@ -43,6 +43,7 @@ def run_engine(kw, args, domains, prompts):
     t0 = time.time()
     llm = LLM(model=args.model, max_model_len=args.max_len + 128, enforce_eager=True, seed=0,
               gpu_memory_utilization=args.gpu_memory_utilization,
+              kv_cache_memory_bytes=args.kv_cache_memory_bytes,
               max_num_seqs=args.max_num_seqs, **kw)
     cc = llm.llm_engine.vllm_config.cache_config
     ppl = {name: prompt_perplexity(llm, docs) for name, docs in domains.items()}
@@ -120,6 +121,8 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--gen-tokens", type=int, default=64)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="the KV cache's size "
+                   "instead of what memory profiling leaves (so other processes may share the GPU)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--out", default="eval/results/accuracy.json")
     p.add_argument("--plot-only", action="store_true", help="redraw the plot of --out")
@@ -147,6 +150,8 @@ def main() -> int:
     engines += custom_engines(args.codebooks, args.windows, args.exact)
     stamp = dict(provenance(), model=f"{args.model} ({args.model_source})", eval_text={n: os.path.abspath(f) for n, f in paths.items()},
                  docs_per_domain=args.docs, max_len=args.max_len,
+                 gpu_memory_utilization=args.gpu_memory_utilization,
+                 kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                  greedy=f"{len(prompts)} prompts x {args.gen_tokens} tokens from {next(iter(paths))}")
     results = {}
     rows = []

@@ -174,8 +174,10 @@ def quality_table(file: str) -> str:
             "python", "greedy = bf16"], body), "",
         f"{data['rows'][0]['model']}, {data['device']}, {day(data['date'])}; perplexity of bf16, "
         f"then the change against it; {data['docs_per_domain']} documents per domain cut at "
-        f"{data['max_len']} tokens; greedy agreement over {data['greedy']}. "
-        + source(file)])
+        f"{data['max_len']} tokens; greedy agreement over {data['greedy']}"
+        + (f"; every engine's KV cache {data['kv_cache_memory_bytes'] / 1e9:g} GB "
+           "(--kv-cache-memory-bytes)" if data.get("kv_cache_memory_bytes") else "")
+        + ". " + source(file)])
 
 
 @table("conversion")
@@ -414,6 +416,26 @@ def sinks_repeat(main: dict) -> str:
     rep = run("decode_kernel.json", "h200_gpt-oss_sinks_repeat")
     return (f"The largest cost of sinks: {worst(main)} here; {worst(rep)} in a repeat of the same "
             f"kernel ({rep['device']}, {day(rep['date'])}). ")
+
+
+@table("decode-exact")
+def decode_exact() -> str:
+    """Decode with the exact store's corrections beside the kernel without them, one run."""
+    r = load("decode_exact.json")
+    body = []
+    for x in r["rows"]:
+        k, v = (x["bits"].split("/") * 2)[:2]
+        body.append([ctx(x["context"]), x["batch"], custom_name(int(k), int(v)).removeprefix("CUSTOM "),
+                     f"{x['custom_us']:.1f}",
+                     f"{x['custom_exact_us']:.1f} ({x['custom_exact_us'] / x['custom_us']:.2f}x)",
+                     f"{x['fa3_us']:.1f}"])
+    s = r["shapes"]
+    return "\n".join([
+        md(["context", "requests", "bits per element", "CUSTOM us", f"with {r['rows'][0]['exact']} exact per page: us (x without)",
+            "FA3 bf16 us"], body), "",
+        f"{SHAPE_NAMES[s['model']]}'s attention ({s['q_heads']} query / {s['kv_heads']} KV heads, head_dim "
+        f"{s['head_dim']}), window {s['window']}, one decode step; {r['exact_timing']}; "
+        f"{r['device']}, {day(r['date'])}. " + source("decode_exact.json")])
 
 
 @table("prefill")
@@ -755,8 +777,8 @@ def demo() -> str:
 LONG_REF = "FLASH_ATTN bf16"
 
 
-def long_models() -> dict:
-    return load("long_context.json")["models"]
+def long_models(file: str = "long_context.json") -> dict:
+    return load(file)["models"]
 
 
 def baseline_bits() -> dict:
@@ -884,9 +906,20 @@ def sign_test(a: int, b: int) -> float:
 
 @table("long-context-retrieval")
 def long_context_retrieval() -> str:
+    return retrieval_table("long_context.json")
+
+
+@table("long-exact-retrieval")
+def long_exact_retrieval() -> str:
+    return retrieval_table("long_exact.json")
+
+
+def retrieval_table(file: str) -> str:
+    """Per model: bf16's retrieval accuracy per task and length, the others' change."""
     out = []
-    for model, sec in long_models().items():
-        cols = [(t, n) for n in sec["lengths"] for t in ("passkey", "multikey", "verbatim")]
+    for model, sec in long_models(file).items():
+        tasks = [t for t in ("passkey", "multikey", "verbatim") if any(r["task"] == t for r in sec["retrieval"])]
+        cols = [(t, n) for n in sec["lengths"] for t in tasks]
         body = []
         for e in sec["engines"]:
             if "error" in e:
@@ -900,10 +933,31 @@ def long_context_retrieval() -> str:
                                         r["only_bf16"], r["only_this"]))
             body.append(row)
         out += [f"**{model}**", "", md(["KV cache"] + [f"{t} {n // 1024}K" for t, n in cols], body), ""]
+        out += [store_against_none(sec, cols), ""] if any(e.get("exact") for e in sec["engines"]) else []
     return "\n".join(out + ["bf16's accuracy in %, then each cache's change in points against it "
                             "on the same prompts, and in brackets the prompts only bf16 / only "
                             "this cache answered; * marks a change beyond chance (two-sided sign "
-                            "test on those two counts, p < 0.05). " + source("long_context.json")])
+                            "test on those two counts, p < 0.05). " + source(file)])
+
+
+def store_against_none(sec: dict, cols: list[tuple[str, int]]) -> str:
+    """Each cache with an exact store against the same codebooks without one, paired on
+    the same prompts: the cells that change beyond chance, and the most uneven one."""
+    words = []
+    for e in (e for e in sec["engines"] if e.get("exact") and "error" not in e):
+        plain = next(x for x in sec["engines"] if x.get("codebook_sha256") == e["codebook_sha256"]
+                     and not x.get("exact") and "error" not in x)
+        splits = []
+        for t, n in cols:
+            a, b = retrieval(sec, plain, t, n)["correct"], retrieval(sec, e, t, n)["correct"]
+            lost, won = sum(x > y for x, y in zip(a, b)), sum(x < y for x, y in zip(a, b))
+            splits.append((sign_test(lost, won), f"{t} {n // 1024}K {lost}/{won}"))
+        beyond = sum(p < 0.05 for p, _ in splits)
+        p, where = min(splits)
+        words.append(f"{cache_name(e)}: {beyond} of {len(splits)} cells beyond chance (most "
+                     f"uneven: {where}, p = {p:.2f})")
+    return ("Each store against the same codebooks without it, on the same prompts (prompts "
+            "only without / only with the store): " + "; ".join(words) + ".")
 
 
 def calibrated_name(e: dict) -> str:
@@ -1154,8 +1208,18 @@ def exact_sim_layouts() -> str:
 
 @table("long-context-fidelity")
 def long_context_fidelity() -> str:
+    return fidelity_table("long_context.json")
+
+
+@table("long-exact-fidelity")
+def long_exact_fidelity() -> str:
+    return fidelity_table("long_exact.json")
+
+
+def fidelity_table(file: str) -> str:
+    """Per model: bf16's perplexity per position bucket, the others' change and top-1."""
     out = []
-    for model, sec in long_models().items():
+    for model, sec in long_models(file).items():
         buckets = [r["bucket"] for r in sec["fidelity"]["rows"] if r["engine"] == LONG_REF]
         body = []
         for e in sec["engines"]:
@@ -1169,7 +1233,7 @@ def long_context_fidelity() -> str:
             body.append(row)
         out += [f"**{model}**", "", md(["KV cache"] + buckets, body), "", long_note(sec, model), ""]
     return "\n".join(out + ["bf16's perplexity per position bucket, then each cache's change "
-                            "against it and its top-1 agreement with bf16. " + source("long_context.json")])
+                            "against it and its top-1 agreement with bf16. " + source(file)])
 
 
 # --- the headline ----------------------------------------------------------------------

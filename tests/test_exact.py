@@ -160,12 +160,14 @@ def test_kernel_update_matches_reference(dtype, d, mk, mv, block, p):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_kernel_update_matches_reference_in_a_batch(dtype):
     """A step of several requests as vLLM sends it: padding (-1) between and after them,
-    block 0 right after padding, runs across a page boundary, a decode row."""
+    block 0 right after padding, runs across a page boundary, a decode row. Each page gets
+    one run of the step, as vLLM's (a page belongs to one request); the decode row ends its
+    page (block 32)."""
     c = make_case(dtype=dtype, length=150, seed=5)
     lay, gen = c["lay"], torch.Generator().manual_seed(6)
-    base = write(c, [0, 100], reference.exact_update)  # the first 100 positions before
-    slots = torch.cat([c["slots"][100:101], torch.tensor([-1, -1]), torch.arange(0, 20),
-                       c["slots"][101:150], torch.tensor([-1] * 3)])
+    base = write(c, [0, 95], reference.exact_update)  # the first 95 positions before
+    slots = torch.cat([c["slots"][95:96], torch.tensor([-1, -1]), torch.arange(0, 20),
+                       c["slots"][96:150], torch.tensor([-1] * 3)])
     n, h, d = len(slots), 2, 64
     key = torch.randn(n, h, d, generator=gen).to(dtype)
     value = torch.randn(n, h, d, generator=gen).to(dtype)

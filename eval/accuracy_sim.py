@@ -33,6 +33,11 @@ precision, one idea each (what it would be worth, and where the error sits):
   first:N  positions 1 to N read exactly (BOS is already): the sink tokens of StreamingLLM,
            a choice that needs no oracle.
 
+``--v-from PATH@LAYERS[+PATH@LAYERS] ...`` also scores the first --codebooks file with the V
+codebooks of the named layers (``18-23``, ``12-17,24-29``) taken from the codebook file
+PATH of other V bits (several files joined by ``+``): what giving some layers more or fewer
+bits of V than the others is worth, at the bits per element it averages to.
+
     python eval/accuracy_sim.py --model eval/data/smollm2 --configs --long --max-len 8192 \
         --docs 16 --eval kernel=eval/data/text/kernel.jsonl \
         --codebooks eval/data/smollm2/pq/codebooks_m32.safetensors \
@@ -124,6 +129,26 @@ def exact_spec(spec: str) -> tuple[str, float]:
         raise argparse.ArgumentTypeError(f"{spec!r}: expected rows:F or elems:F with 0 < F < 1, "
                                          f"or page:N, vec:N, mass:N or first:N with N a whole number >= 1")
     return kind, x
+
+
+def v_from_spec(spec: str) -> list[tuple[str, list[int]]]:
+    """PATH@LAYERS[+PATH@LAYERS] (``--v-from``): each donor codebook file and its layers,
+    e.g. ``b4.safetensors@18-23,26+b1.safetensors@0-11``."""
+    out = []
+    for part in spec.split("+"):
+        path, _, layers = part.rpartition("@")
+        try:
+            ids = []
+            for run in layers.split(","):
+                lo, _, hi = run.partition("-")
+                ids += range(int(lo), int(hi or lo) + 1)
+        except ValueError:
+            ids = []
+        if not path or not ids:
+            raise argparse.ArgumentTypeError(
+                f"--v-from {spec!r}: give PATH@LAYERS, e.g. b4.safetensors@18-23")
+        out.append((path, sorted(set(ids))))
+    return out
 
 
 def keep_exact(kind: str, amount: float, x, xq, mass=None):
@@ -258,6 +283,9 @@ def main() -> int:
     p.add_argument("--exact", nargs="+", default=[], type=exact_spec, metavar="SPEC",
                    help="also score each set of codebooks with more kept exact: rows:F, "
                    "elems:F, page:P, vec:R, mass:N or first:N (see the docstring)")
+    p.add_argument("--v-from", nargs="+", default=[], type=v_from_spec, metavar="PATH@LAYERS",
+                   help="also score the first --codebooks file with these layers' V "
+                   "codebooks from PATH (other V bits; see the docstring)")
     p.add_argument("--layer-groups", type=int, default=0,
                    help="also score with only each group of this many layers quantized")
     p.add_argument("--docs", type=int, default=64, help="documents per domain")
@@ -315,18 +343,23 @@ def main() -> int:
 
     perm = rope_pairs(d)
 
-    def score(cname, books, mk, mv, pre, method, train_s, pinned, digest=None):
-        """Every window, part and layer group of one set of codebooks, on every domain."""
-        sim.books = [dict(k=books["k"][i].to(dev), v=books["v"][i].to(dev),
-                          k_transform=None if books["k_transform"] is None else books["k_transform"][i].to(dev),
-                          v_transform=None if books["v_transform"] is None else books["v_transform"][i].to(dev),
-                          sink=pinned)
+    def score(cname, books, mk, mv, pre, method, train_s, pinned, digest=None, v_from=None):
+        """Every window, part and layer group of one set of codebooks, on every domain;
+        ``mv`` a list where layers differ in V's subspaces (``v_from``: where from)."""
+        def layer(key, i):  # stacked or per-layer lists; None where there is no transform
+            val = books[key]
+            return None if val is None or val[i] is None else val[i].to(dev)
+
+        sim.books = [dict(k=layer("k", i), v=layer("v", i), k_transform=layer("k_transform", i),
+                          v_transform=layer("v_transform", i), sink=pinned)
                      for i in range(cfg.num_hidden_layers)]
         sim.pre_rope = perm.to(dev) if pre else None
         n_layers, g = cfg.num_hidden_layers, a.layer_groups
         variants = [(part, None, None) for part in a.parts] + [
             ("kv", range(i, min(i + g, n_layers)), None) for i in range(0, n_layers if g else 0, g or 1)] + [
-            ("kv", None, spec) for spec in a.exact]
+            ("kv", None, spec) for spec in a.exact] if v_from is None else [("kv", None, None)]
+        mvs = mv if isinstance(mv, list) else [mv] * n_layers
+        bits_v = round(sum(8 * m / d for m in mvs) / n_layers, 4)
         for w in a.windows:
             sim.window = w
             for part, layers, exact in variants:
@@ -334,7 +367,8 @@ def main() -> int:
                 for name, docs in domains.items():
                     ppl, n, buckets = perplexity(model, docs, sim, dev)
                     rows.append(dict(
-                        method=cname, bits_k=8 * mk // d, bits_v=8 * mv // d, m_k=mk, m_v=mv,
+                        method=cname, bits_k=8 * mk // d, bits_v=int(bits_v) if bits_v.is_integer() else bits_v,
+                        m_k=mk, m_v=mv, **({"v_from": v_from} if v_from else {}),
                         window=w, pre_rope=pre, quantized=part,
                         layers="all" if layers is None else f"{layers.start}-{layers.stop - 1}",
                         exact=None if exact is None else f"{exact[0]}:{exact[1]:g}",
@@ -346,7 +380,7 @@ def main() -> int:
                     if a.long:  # [perplexity, tokens, change against bf16 in %] per bucket
                         rows[-1]["buckets"] = {k: [p_, t, round(100 * (p_ / base[name][2][k][0] - 1), 3)]
                                                for k, (p_, t) in buckets.items()}
-                    print(f"{cname:24s} K{8 * mk // d}/V{8 * mv // d} W={w:4d} {part:2s} "
+                    print(f"{cname:24s} K{8 * mk // d}/V{bits_v:g} W={w:4d} {part:2s} "
                           f"{rows[-1]['layers']:5s} {rows[-1]['exact'] or '':11s} {name:8s}: ppl {ppl:.4f} "
                           f"({rows[-1]['delta_pct']:+.2f}%)"
                           + "".join(f"; {k} {v[2]:+.2f}%" for k, v in rows[-1].get("buckets", {}).items()),
@@ -354,7 +388,8 @@ def main() -> int:
         with open(a.out, "w") as f:  # after every configuration: a cut run keeps its rows
             json.dump(dict(stamp, rows=rows), f, indent=1)
 
-    for path in a.codebooks:  # files as calibrate wrote them
+    def read_books(path):
+        """A codebook file's layers as score() takes them (lists: layers may differ)."""
         info = codebooks.read_info(path)
         books = {"k": [], "v": [], "k_transform": [], "v_transform": []}
         for i in range(info.num_layers):
@@ -362,10 +397,27 @@ def main() -> int:
             tk, tv = codebooks.load_transforms(info, i, slice(None))
             for key, val in zip(books, (k, v, tk, tv)):
                 books[key].append(val)
-        books = {key: None if val[0] is None else torch.stack(val) for key, val in books.items()}
+        return info, books
+
+    for n, path in enumerate(a.codebooks):  # files as calibrate wrote them
+        info, books = read_books(path)
         cal = codebooks.calibration_of(info)
-        score(path, books, info.m_k, info.m_v, False, cal, None, bool(cal.get("pinned_bos_sink")),
-              codebook_meta(path)["codebook_sha256"])
+        pinned, digest = bool(cal.get("pinned_bos_sink")), codebook_meta(path)["codebook_sha256"]
+        score(path, books, info.m_k, info.m_v, False, cal, None, pinned, digest)
+        for donors in a.v_from if n == 0 else []:
+            mixed = {key: list(val) for key, val in books.items()}
+            mvs = [info.m_v] * info.num_layers
+            for donor, layers in donors:
+                dinfo, dbooks = read_books(donor)
+                for i in layers:
+                    mixed["v"][i], mixed["v_transform"][i] = dbooks["v"][i], dbooks["v_transform"][i]
+                    mvs[i] = dinfo.m_v
+            if set(mvs) == {info.m_v}:
+                continue  # the file's own V bits
+            score(path, mixed, info.m_k, mvs, False, cal, None, pinned, digest,
+                  v_from=[dict(file=os.path.abspath(donor), layers=layers,
+                               codebook_sha256=codebook_meta(donor)["codebook_sha256"])
+                          for donor, layers in donors])
     for bits in a.bits:
         bk, bv = (int(x) for x in bits.split("/"))
         mk, mv = bk * d // 8, bv * d // 8

@@ -1180,18 +1180,71 @@ def exact_short(name: str) -> str:
         idea, bits = exact_idea(r, data["max_len"])
         body.append([custom_name(r["bits_k"], r["bits_v"]).removeprefix("CUSTOM "), idea, bits,
                      " / ".join(f"{g[d]['delta_pct']:+.2f}" for d in domains)])
-    r0 = rs[0]
-    c = r0["method_params"]
     return "\n".join([
         md(["codes", "also read exactly", "bits per element", " / ".join(domains)], body), "",
-        f"Simulation in transformers (`eval/accuracy_sim.py --exact`), SmolLM2-135M in "
-        f"{data['dtype'] if 'dtype' in data else 'bfloat16 (the default)'}, {data['device']}, "
-        f"{day(data['date'])}: perplexity change against the same model unquantized in %, "
-        f"{data['docs_per_domain']} documents per domain cut at "
-        f"{data['max_len']:,} tokens; window 128; one codebook file (sha256 "
-        f"{r0['codebook_sha256']}) calibrated on "
-        + calibration_words(c["tokens"], c["seq_len"], c.get("pack")) + ", read every way in "
-        "one run. " + source(name)])
+        sim_caption(data, rs[0], "--exact", f"one codebook file (sha256 {rs[0]['codebook_sha256']})",
+                    ", read every way in one run.", name)])
+
+
+def sim_caption(data: dict, r: dict, flag: str, books: str, tail: str, name: str) -> str:
+    """The caption of a simulation at 2K tokens that reads codebook files: how it ran, and
+    how ``books`` were calibrated (from row ``r``)."""
+    c = r["method_params"]
+    return (f"Simulation in transformers (`eval/accuracy_sim.py {flag}`), SmolLM2-135M in "
+            f"{data['dtype'] if 'dtype' in data else 'bfloat16 (the default)'}, {data['device']}, "
+            f"{day(data['date'])}: perplexity change against the same model unquantized in %, "
+            f"{data['docs_per_domain']} documents per domain cut at {data['max_len']:,} tokens; "
+            f"window 128; {books} calibrated on "
+            + calibration_words(c["tokens"], c["seq_len"], c.get("pack")) + tail + " " + source(name))
+
+
+@table("layer-bits-sim")
+def layer_bits_sim() -> str:
+    """Some layers' V at more bits than the others' (accuracy_sim.py --v-from), beside the
+    uniform bit widths, one run."""
+    data, rs = exact_rows("layer_bits_sim.json")
+    domains = list(dict.fromkeys(r["eval_text"] for r in rs))
+    groups = {}
+    for r in rs:
+        groups.setdefault((r["method"], json.dumps(r.get("v_from"))), {})[r["eval_text"]] = r
+    n_layers = len(rs[0]["method_params"]["rel_mse_k"])
+    body = []
+    for g in sorted(groups.values(), key=lambda g: next(iter(g.values()))["bits_v"]):
+        r = g[domains[0]]
+        d = 8 * r["m_k"] // r["bits_k"]
+        mvs = r["m_v"] if isinstance(r["m_v"], list) else [r["m_v"]] * n_layers
+        base = codebook_m_v(r) if r.get("v_from") else r["m_v"]
+        parts = [f"{8 * m // d} in layers " + layer_ranges([i for i, x in enumerate(mvs) if x == m])
+                 for m in sorted({m for m in mvs if m != base}, reverse=True)]
+        if base is not None:
+            parts.append(f"{8 * base // d} in {'the other layers' if parts else 'every layer'}")
+        bits = (r["bits_k"] + r["bits_v"]) / 2
+        body.append([r["bits_k"], ", ".join(parts), f"{bits:.2f}".rstrip("0").rstrip("."),
+                     " / ".join(f"{g[d_]['delta_pct']:+.2f}" for d_ in domains)])
+    books = {r["codebook_sha256"] for r in rs} | {v["codebook_sha256"] for r in rs for v in r.get("v_from") or []}
+    return "\n".join([
+        md(["bits of K", "bits of V", "bits per element", " / ".join(domains)], body), "",
+        sim_caption(data, rs[0], "--v-from", f"codebook files (sha256 {', '.join(sorted(books))})",
+                    f"; each layer's V read through the file of its bits, K through the K4/V2 file "
+                    f"or, in the 4-bit row, the 4-bit file ({n_layers} layers).",
+                    "layer_bits_sim.json")])
+
+
+def codebook_m_v(r: dict) -> int:
+    """The V subspaces of a mixed row's own codebook file: those of the layers no donor
+    file gave (None where donors gave every layer)."""
+    given = {i for v in r["v_from"] for i in v["layers"]}
+    return next((m for i, m in enumerate(r["m_v"]) if i not in given), None)
+
+
+def layer_ranges(layers: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    runs, start = [], layers[0]
+    for a, b in zip(layers, layers[1:] + [None]):
+        if b != a + 1:
+            runs.append(f"{start}-{a}" if a > start else f"{a}")
+            start = b
+    return ", ".join(runs)
 
 
 @table("exact-sim")

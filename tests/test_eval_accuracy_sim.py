@@ -107,3 +107,19 @@ def test_page_keeps_the_rows_that_err_most_in_every_block(pair, monkeypatch):
             blk = err[lo : lo + 16, h]
             want = set((blk.topk(2).indices + lo).tolist())
             assert set(kept[lo : lo + 16, h].nonzero()[:, 0].add(lo).tolist()) == want
+
+
+def test_v_from_specs_parse():
+    from accuracy_sim import v_from_spec
+
+    assert v_from_spec("dir/b4.safetensors@18-23") == [("dir/b4.safetensors", list(range(18, 24)))]
+    assert v_from_spec("a@b.safetensors@3,0-1,3") == [("a@b.safetensors", [0, 1, 3])]
+    assert v_from_spec("b4@18-23+b1@0-1") == [("b4", list(range(18, 24))), ("b1", [0, 1])]
+
+
+@pytest.mark.parametrize("spec", ["b4.safetensors", "b4.safetensors@", "@1-2", "b4@x-3", "b4@1+"])
+def test_a_malformed_v_from_is_refused(spec):
+    from accuracy_sim import v_from_spec
+
+    with pytest.raises(argparse.ArgumentTypeError, match="PATH@LAYERS"):
+        v_from_spec(spec)

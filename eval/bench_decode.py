@@ -155,11 +155,10 @@ def bench_pq(batch, ctx, ms, gen, hq=HQ, hkv=HKV, lut=False, per_item=False, min
     ctas = 0 if per_item else plans.num_ctas_for(plans.ctas_per_split(hq, hkv), sms)
     ws_o = torch.empty(batch * hq * splits * d, device="cuda")
     ws_lse = torch.empty(batch * hq * splits, device="cuda")
-    def run(i, sink=q.new_empty(0)):
+    def run(i, sink=q.new_empty(0), corr=q.new_empty(0)):
         torch.ops.pq_backend.decode(out, q, cache, tables[i], seq, order_t, cb[0], cb[1], books, win[0], win[1],
                                     rows, new_kv[0], new_kv[1], window, 0, splits, min_split, ctas,
-                                    d**-0.5, sink,
-                                    lut, ws_o, ws_lse, q.new_empty(0), 0,
+                                    d**-0.5, sink, lut, ws_o, ws_lse, corr, splits if corr.numel() else 0,
                                     *lay.kernel_args())
 
     exact_us = math.nan
@@ -178,10 +177,7 @@ def bench_pq(batch, ctx, ms, gen, hq=HQ, hkv=HKV, lut=False, per_item=False, min
             exact_store.decode_corrections(corr, q, cache, tables[i], seq, cb[0], cb[1],
                                            window=window, sliding_window=0, scale=d**-0.5,
                                            slots=splits, layout=lay)
-            torch.ops.pq_backend.decode(out, q, cache, tables[i], seq, order_t, cb[0], cb[1], books,
-                                        win[0], win[1], rows, new_kv[0], new_kv[1], window, 0, splits,
-                                        min_split, ctas, d**-0.5, q.new_empty(0), lut, ws_o, ws_lse,
-                                        corr, splits, *lay.kernel_args())
+            run(i, corr=corr)
 
         us, exact_us = timed_together([run, run_exact], n, trials=15)  # EXACT_TIMING
         sinks_us = math.nan

@@ -949,8 +949,7 @@ def store_against_none(sec: dict, cols: list[tuple[str, int]]) -> str:
                      and not x.get("exact") and "error" not in x)
         splits = []
         for t, n in cols:
-            a, b = retrieval(sec, plain, t, n)["correct"], retrieval(sec, e, t, n)["correct"]
-            lost, won = sum(x > y for x, y in zip(a, b)), sum(x < y for x, y in zip(a, b))
+            lost, won = only_each(retrieval(sec, plain, t, n), retrieval(sec, e, t, n))
             splits.append((sign_test(lost, won), f"{t} {n // 1024}K {lost}/{won}"))
         beyond = sum(p < 0.05 for p, _ in splits)
         p, where = min(splits)

@@ -59,6 +59,7 @@ from common import POSITION_BUCKETS, bucket_name, codebook_meta, load_docs, prov
 
 from vllm_pq_backend import calibrate, codebooks
 from vllm_pq_backend.calibrate import Method, rotate_half
+from vllm_pq_backend.config import parse_layers
 from vllm_pq_backend.layout import window_start
 
 PLAIN = Method(k_gamma=0, k_rotate=False, k_alpha=0, v_rotate=False, v_alpha=0)
@@ -138,16 +139,13 @@ def v_from_spec(spec: str) -> list[tuple[str, list[int]]]:
     for part in spec.split("+"):
         path, _, layers = part.rpartition("@")
         try:
-            ids = []
-            for run in layers.split(","):
-                lo, _, hi = run.partition("-")
-                ids += range(int(lo), int(hi or lo) + 1)
+            ids = parse_layers(layers)
         except ValueError:
             ids = []
         if not path or not ids:
             raise argparse.ArgumentTypeError(
                 f"--v-from {spec!r}: give PATH@LAYERS, e.g. b4.safetensors@18-23")
-        out.append((path, sorted(set(ids))))
+        out.append((path, ids))
     return out
 
 
@@ -403,16 +401,17 @@ def main() -> int:
         info, books = read_books(path)
         cal = codebooks.calibration_of(info)
         pinned, digest = bool(cal.get("pinned_bos_sink")), codebook_meta(path)["codebook_sha256"]
-        score(path, books, info.m_k, info.m_v, False, cal, None, pinned, digest)
+        own = info.m_v or list(info.m_v_layers)  # a list where the file's layers differ
+        score(path, books, info.m_k, own, False, cal, None, pinned, digest)
         for donors in a.v_from if n == 0 else []:
             mixed = {key: list(val) for key, val in books.items()}
-            mvs = [info.m_v] * info.num_layers
+            mvs = list(info.m_v_layers)
             for donor, layers in donors:
                 dinfo, dbooks = read_books(donor)
                 for i in layers:
                     mixed["v"][i], mixed["v_transform"][i] = dbooks["v"][i], dbooks["v_transform"][i]
-                    mvs[i] = dinfo.m_v
-            if set(mvs) == {info.m_v}:
+                    mvs[i] = dinfo.m_v_layers[i]
+            if mvs == list(info.m_v_layers):
                 continue  # the file's own V bits
             score(path, mixed, info.m_k, mvs, False, cal, None, pinned, digest,
                   v_from=[dict(file=os.path.abspath(donor), layers=layers,

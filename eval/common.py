@@ -100,15 +100,22 @@ def append_rows(path: str, rows: list[dict]) -> None:
 def codebook_meta(path):
     """bits, M, method and hash of a codebook file, for the rows it produces."""
     from vllm_pq_backend import codebooks
+    from vllm_pq_backend.config import layer_runs
     from vllm_pq_backend.layout import bits_of
 
     info = codebooks.read_info(path)
     cal = codebooks.calibration_of(info)
     with open(path, "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()[:16]
+    base = codebooks.base_m_v(info.m_v_layers)
+    differ = {bits_of(info.head_dim, m): layer_runs(i for i, x in enumerate(info.m_v_layers)
+                                                    if x == m)
+              for m in sorted(set(info.m_v_layers) - {base}, reverse=True)}
     return dict(m_k=info.m_k, m_v=info.m_v, head_dim=info.head_dim,
+                **({"m_v_layers": list(info.m_v_layers), "v_layers": differ,
+                    "bits_v_base": bits_of(info.head_dim, base)} if differ else {}),
                 bits_k=bits_of(info.head_dim, info.m_k),
-                bits_v=bits_of(info.head_dim, info.m_v), codebook_sha256=digest,
+                bits_v=info.bits_v, codebook_sha256=digest,
                 codebook_file=os.path.abspath(path),
                 method="plain" if not info.transforms and not cal.get("method") else
                 json.dumps(cal.get("method"), sort_keys=True),
@@ -188,8 +195,16 @@ def exact_words(meta: dict) -> str:
 def engine_label(meta: dict, window: int) -> str:
     """CUSTOM by bits per element, exact store and window, and its calibration where not
     the default."""
-    return (f"CUSTOM K{meta['bits_k']}/V{meta['bits_v']} bits" + exact_words(meta)
-            + f" W={window}" + calibration(meta))
+    return (f"CUSTOM K{meta['bits_k']}/V{meta.get('bits_v_base', meta['bits_v'])} bits"
+            + v_layers_words(meta) + exact_words(meta) + f" W={window}" + calibration(meta))
+
+
+def v_layers_words(meta: dict) -> str:
+    """The layers whose V bits differ from the file's others (codebook_meta), or "":
+    ", V 4 in layers 18-23"."""
+    from vllm_pq_backend.config import layers_words
+
+    return "".join(f", V {b} in {layers_words(r)}" for b, r in (meta.get("v_layers") or {}).items())
 
 
 def custom_engines(paths: list[str], windows: list[int], exacts: list[int],
@@ -205,9 +220,12 @@ def custom_engines(paths: list[str], windows: list[int], exacts: list[int],
         meta = codebook_meta(path)
         for w in windows:
             for p in exacts:
-                lay = PageLayout(block_size, meta["m_k"], meta["m_v"], meta["head_dim"], p)
-                bk, bv = lay.bits()
-                m = dict(meta, window=w, exact=p, page_bytes=lay.state_bytes,
+                lays = [PageLayout(block_size, meta["m_k"], mv, meta["head_dim"], p)
+                        for mv in meta.get("m_v_layers") or [meta["m_v"]]]
+                mean = lambda xs: sum(xs) / len(lays)  # noqa: E731  (over the layers)
+                bk, bv = (mean(x) for x in zip(*(lay.bits() for lay in lays)))
+                m = dict(meta, window=w, exact=p,
+                         page_bytes=round(mean([lay.state_bytes for lay in lays]), 4),
                          bits_k_total=round(bk, 4), bits_v_total=round(bv, 4))
                 out.append((engine_label(m, w), m, dict(
                     attention_backend="CUSTOM", block_size=block_size,

@@ -24,7 +24,7 @@ import os
 import sys
 import time
 
-from common import custom_engines, load_docs, prompt_perplexity, provenance
+from common import custom_engines, load_docs, prompt_perplexity, provenance, v_layers_words
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # read the engine's KV size
 
@@ -75,10 +75,11 @@ def short_label(row) -> str:
     if method != "plain":
         params = {k: v for k, v in json.loads(method).items() if k != "niter"}
         plain = params.get("k_gamma") == 0 and not params.get("k_rotate") and not params.get("v_rotate")
-        want = asdict(default_method(row["bits_v"]))
+        want = asdict(default_method(row.get("bits_v_base", row["bits_v"])))
         default = params == {k: v for k, v in want.items() if k != "niter"}
         method = "plain" if plain else "default" if default else "custom"
-    return f"CUSTOM {row['bits_k']}b/{row['bits_v']}b {method} W={row['window']}"
+    return (f"CUSTOM {row['bits_k']}b/{row.get('bits_v_base', row['bits_v'])}b"
+            f"{v_layers_words(row)} {method} W={row['window']}")
 
 
 def plot(rows, path):

@@ -26,7 +26,7 @@ import re
 import sys
 from pathlib import Path
 
-from common import calibration, calibration_words, exact_words, size  # eval/ is the script's directory
+from common import calibration, calibration_words, exact_words, size, v_layers_words  # eval/ is the script's directory
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "eval" / "results"
@@ -113,12 +113,17 @@ DOMAINS = ("kernel", "fortunes", "python")
 def v_training(row: dict) -> str:
     """How V was trained where it has 2 bits or fewer: calibrate's default there is V in
     the o_proj metric (vllm_pq_backend.calibrate.default_method: v_gamma 0.5)."""
-    if row["bits_v"] > 2:
+    if row.get("bits_v_base", row["bits_v"]) > 2:
         return ""
     return ", V in the o_proj metric (default)" if json.loads(row["method"]).get("v_gamma") else ", V plain L2"
 
 
-def custom_name(bits_k: int, bits_v: int) -> str:
+def custom_name(bits_k: int, bits_v: float, row: dict | None = None) -> str:
+    """CUSTOM by bits per element; with ``row`` (codebook_meta's fields), the layers whose
+    V bits differ from the others', and the average."""
+    if row and row.get("v_layers"):
+        return (f"CUSTOM K{bits_k}/V{row['bits_v_base']}{v_layers_words(row)} "
+                f"({(bits_k + bits_v) / 2:g} bits)")
     if bits_k == bits_v:
         return f"CUSTOM {bits_k} bits"
     return f"CUSTOM K{bits_k}/V{bits_v} ({(bits_k + bits_v) / 2:g} bits)"
@@ -129,7 +134,7 @@ def cache_name(row: dict) -> str:
     codebooks were trained and calibrated where that is not the default."""
     if row.get("bits_k") in (None, 16):
         return row["label"]
-    return (custom_name(row["bits_k"], row["bits_v"]) + exact_words(row) + v_training(row)
+    return (custom_name(row["bits_k"], row["bits_v"], row) + exact_words(row) + v_training(row)
             + calibration(row))
 
 

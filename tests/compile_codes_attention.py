@@ -26,7 +26,7 @@ def build(name, fn, const, dtype, num_warps, *shape):
 
 
 for dtype in ("bf16", "fp16"):
-    for d, mk, mv in ((64, 32, 32), (128, 64, 32), (256, 128, 128)):
+    for d, mk, mv in ((64, 32, 32), (128, 64, 32), (128, 64, 16), (256, 128, 128)):
         build("attention", ca._codes_attention_kernel,
               dict(USE_SINKS=dtype == "bf16", WINDOW=128, SLIDING=1024, HEAD_DIM=d, MK=mk, MV=mv,
                    PAGE=128, K_OFF=0,

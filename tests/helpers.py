@@ -48,16 +48,18 @@ def hf_config(path):
 
 
 def random_codebooks(path, model_dir, m, seed=0, transforms=False, m_v=None):
-    """Random centroids (K with ``m`` subspaces, V with ``m_v``, default ``m``); with
-    ``transforms``, random well-conditioned K and V maps (rotation x scales in [0.5, 2]),
-    as calibration writes them."""
+    """Random centroids (K with ``m`` subspaces, V with ``m_v``, default ``m``, or a list
+    of each layer's); with ``transforms``, random well-conditioned K and V maps (rotation x
+    scales in [0.5, 2]), as calibration writes them."""
     cfg = hf_config(model_dir)
     d = codebooks.head_dim_of(cfg)
     g = torch.Generator().manual_seed(seed)
     m_v = m_v or m
     shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, m, NUM_CENTROIDS, d // m)
     k = torch.randn(shape, generator=g)
-    v = torch.randn(*shape[:2], m_v, NUM_CENTROIDS, d // m_v, generator=g)
+    v = ([torch.randn(shape[1], mv, NUM_CENTROIDS, d // mv, generator=g) for mv in m_v]
+         if isinstance(m_v, list) else
+         torch.randn(*shape[:2], m_v, NUM_CENTROIDS, d // m_v, generator=g))
     maps = {}
     if transforms:
         for name in ("k_transform", "v_transform"):
@@ -183,6 +185,9 @@ class Sim:
         # (test_backend._warmed_up): the window rows must not depend on that order
         self.req_states = RequestTable(np.random.default_rng(seed + 1).permutation(
             vc.scheduler_config.max_num_seqs).tolist(), reuse, seed)
+        # the name vLLM's model runner asks for the layer's page size under
+        # (engine_config.layer_of_caller: codebooks may give layers different bits)
+        layer_name = f"model.layers.{layer_index}.self_attn.attn"
         with set_current_vllm_config(vc):
             kw = dict(block_size=self.B, num_kv_heads=self.hkv, head_size=self.d,
                       dtype=torch.bfloat16)
@@ -197,7 +202,7 @@ class Sim:
                 spec, ["layer"], vc, self.dev
             )
         self.spec = spec
-        self.layer = types.SimpleNamespace(layer_name=f"model.layers.{layer_index}.self_attn.attn")
+        self.layer = types.SimpleNamespace(layer_name=layer_name)
         self.kv_cache = torch.zeros(
             num_blocks, self.hkv, self.B, spec.state_content_bytes, dtype=torch.uint8,
             device=self.dev,

@@ -754,3 +754,50 @@ def test_default_window_stays_below_the_sliding_window(tmp_path):
     random_codebooks(default_codebook_path(model, 32), model, 32)
     assert EngineConfig.of(vllm_config(model, block_size=128, pq={})).window == 64
     assert EngineConfig.of(vllm_config(model, block_size=128, pq={"window": 32})).window == 32
+
+
+def test_pages_take_each_layers_v_bits(tmp_path):
+    """Codebooks whose V bits differ by layer: vLLM asks for each layer's page size from its
+    model runner's loop over layer names (or, for a sliding-window layer, from the layer
+    itself), and each layer's page holds its own codes; a call that names no layer is
+    refused rather than given some layer's size. vLLM then keeps the layers in one KV cache
+    group with a page size of each (UniformTypeKVCacheSpecs), blocks shared by all."""
+    import inspect
+
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, UniformTypeKVCacheSpecs
+    from vllm.v1.worker import gpu_model_runner
+    from vllm.v1.worker.gpu import attn_utils
+
+    from vllm_pq_backend.backend import PQAttentionBackend
+
+    model = write_model_config(str(tmp_path / "m"), head_dim=64, layers=3)
+    path = random_codebooks(str(tmp_path / "mixed.safetensors"), model, 32, m_v=[8, 16, 32])
+    vc = vllm_config(model, block_size=64, pq={"codebooks": path})
+    dense = FullAttentionSpec(block_size=64, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+
+    def get_kv_cache_spec(vllm_config):  # the runners' loop, by its names
+        specs = {}
+        for layer_name in (f"model.layers.{i}.self_attn.attn" for i in range(3)):
+            specs[layer_name] = PQAttentionBackend.customize_spec(dense)
+        return specs
+
+    class Layer:  # a sliding-window layer asks from its own get_kv_cache_spec
+        layer_name = "model.layers.2.self_attn.attn"
+
+        def get_kv_cache_spec(self, vllm_config):
+            return PQAttentionBackend.customize_spec(dense)
+
+    specs = get_kv_cache_spec(vc)
+    assert [s.page_size_bytes for s in specs.values()] == [64 * 2 * (32 + m) for m in (8, 16, 32)]
+    assert Layer().get_kv_cache_spec(vc).page_size_bytes == 64 * 2 * 64
+    with pytest.raises(RuntimeError, match="without naming the layer"):
+        with set_current_vllm_config(vc):
+            PQAttentionBackend.customize_spec(dense)
+    for runner in (gpu_model_runner.GPUModelRunner.get_kv_cache_spec, attn_utils.get_kv_cache_spec):
+        src = inspect.getsource(runner)  # the names engine_config.layer_of_caller reads
+        assert "for layer_name, attn_module in" in src and "customize_attention_spec(" in src
+    (group,) = get_kv_cache_groups(vc, specs)
+    assert isinstance(group.kv_cache_spec, UniformTypeKVCacheSpecs)
+    assert group.kv_cache_spec.page_size_bytes == sum(s.page_size_bytes for s in specs.values())

@@ -145,6 +145,52 @@ def test_calibrate_k4_v2(tmp_path, capsys):
     assert "calibrate: warning: running on the CPU: under a minute for 0.33M parameters" in printed.err
 
 
+def test_calibrate_v_bits_by_layer(tmp_path, capsys):
+    """--bits-v-layers: V of layer 1 at 4 bits, layer 0 at --bits-v 2, each trained in the
+    metric calibrate uses at its bits (o_proj at 2 bits), in a file the backend serves."""
+    model = tiny_model(tmp_path / "model")
+    (tmp_path / "a.txt").write_text("the lazy dog jumps over the quick brown fox " * 80)
+    common = ["--model", model, "--text", str(tmp_path / "a.txt"), "--bits-v", "2",
+              "--tokens", "1000", "--samples", "600", "--seq-len", "256", "--niter", "2",
+              "--device", "cpu", "--dtype", "float32"]
+    assert main([*common, "--bits-v-layers", "4@1"]) == 0
+    out = tmp_path / "model" / "pq" / "codebooks_m16_v8_v16l1.safetensors"
+    info = codebooks.read_info(str(out))
+    codebooks.validate(info, hf_config(model), None, None, model)
+    assert (info.m_k, info.m_v_layers, info.bits_v) == (16, (8, 16), 3)
+    k0, v0 = codebooks.load_layer(info, 0, slice(None))
+    _, v1 = codebooks.load_layer(info, 1, slice(None))
+    assert v0.shape == (2, 8, 256, 4) and v1.shape == (2, 16, 256, 2)
+    assert codebooks.nan_code_free(v0) and codebooks.nan_code_free(v1)
+    cal = codebooks.calibration_of(info)
+    assert cal["bits_v_layers"] == {"4": "1"} and cal["method"]["v_gamma"] == 0.5
+    assert cal["methods_v_layers"]["4"]["v_gamma"] == 0.0
+    printed = capsys.readouterr().out
+    assert "K 4 / V 2 bits per element, V 4 in layer 1 (3.5 bits" in printed
+    assert f'"codebooks": "{out}"' in printed
+    # every layer at other bits than --bits-v: one rate, an ordinary file
+    assert main([*common, "--bits-v-layers", "4@0-1", "--out", str(tmp_path / "u.safetensors")]) == 0
+    assert codebooks.read_info(str(tmp_path / "u.safetensors")).m_v == 16
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--bits-v-layers", "4@2"], "--bits-v-layers 4@2: the model has 2 layers, 0 to 1"),
+    (["--bits-v-layers", "3@0"], "'3@0': give BITS@LAYERS with BITS one of [1, 2, 4]"),
+    (["--bits-v-layers", "4@1-0"], "'4@1-0': give BITS@LAYERS"),
+    (["--bits", "2", "--bits-v-layers", "4@1"], "--bits 2 asks for K 2 / V 4 bits per element "
+                                                "(Mk=8, Mv=16) in some layers (--bits-v-layers), "
+                                                "which is not built"),
+])
+def test_bits_v_layers_errors_in_one_line(tmp_path, capsys, args, needle):
+    model = tiny_model(tmp_path / "model")
+    (tmp_path / "a.txt").write_text("the lazy dog " * 80)
+    with pytest.raises(SystemExit) as e:
+        main(["--model", model, "--text", str(tmp_path / "a.txt"), "--device", "cpu", *args])
+    assert e.value.code == 2
+    line = capsys.readouterr().err.splitlines()[-1]  # after the tiny model's progress
+    assert line.startswith("calibrate: error: ") and needle in line, line
+
+
 def test_kmeans_finds_separated_clusters_and_honours_weights():
     from vllm_pq_backend.kmeans import kmeans
 

@@ -156,3 +156,51 @@ def test_a_file_whose_nan_code_holds_a_trained_centroid_is_reported(tmp_path, mo
     said.clear()
     codebooks.read_info(edited(tmp_path, model, tensors=reserve, name="new.safetensors"))
     assert said == []
+
+
+def test_v_bits_by_layer_read_back_per_layer(tmp_path, model):
+    """A file whose V has 2 bits in layer 0 and 4 in layer 1 (calibrate --bits-v-layers):
+    each layer loads with its own subspaces, exactly the centroids written."""
+    path = random_codebooks(str(tmp_path / "mixed.safetensors"), model, 16, m_v=[8, 16], seed=3)
+    info = codebooks.read_info(path)
+    assert info.m_v_layers == (8, 16) and info.m_v is None and info.bits_v == 3
+    codebooks.validate(info, hf_config(model), None, None, model)
+    g = torch.Generator().manual_seed(3)
+    torch.randn(2, 2, 16, 256, 2, generator=g)  # K, as random_codebooks draws it
+    want = [torch.randn(2, mv, 256, 32 // mv, generator=g) for mv in (8, 16)]
+    for layer in (0, 1):
+        k, v = codebooks.load_layer(info, layer, slice(1, 2))
+        assert k.shape == (1, 16, 256, 2)
+        assert torch.equal(v, want[layer][1:2])
+    assert info.describe() == ("K 4 / V 2 bits per element, V 4 in layer 1 (3.5 bits per "
+                               "element on average; Mk=16, Mv=8, 16 in 1)")
+    with pytest.raises(codebooks.CodebookError, match="Mv: file has one per layer"):
+        codebooks.validate(info, hf_config(model), 16, 8, model)
+
+
+def test_v_bits_by_layer_the_kernels_lack_are_named_with_their_layers(tmp_path, model):
+    path = random_codebooks(str(tmp_path / "odd.safetensors"), model, 16, m_v=[8, 32])
+    with pytest.raises(codebooks.CodebookError, match=r"Mk=16, Mv=32 \(layer 1\) is not a "
+                                                      "supported setting"):
+        codebooks.validate(codebooks.read_info(path), hf_config(model), None, None, model)
+
+
+@pytest.mark.parametrize("value,match", [
+    ("[8]", r"m_v_layers='\[8\]' is not a list of 2 positive integers"),
+    ("[8, 0]", "is not a list of 2 positive integers"),
+    ("8", "is not a list of 2 positive integers"),
+    ("[8, 8]", r"v_centroids has shape \[2, 2, 8192\].* says \[2, 2, 8, 256, 4\]"),
+])
+def test_v_bits_by_layer_metadata_must_agree(tmp_path, model, value, match):
+    path = random_codebooks(str(tmp_path / "mixed.safetensors"), model, 16, m_v=[8, 16])
+    with safe_open(path, "pt") as f:
+        md = dict(f.metadata())
+        ts = {k: f.get_tensor(k) for k in f.keys()}
+    if value == "[8, 8]":  # a uniform header over the mixed tensor
+        md.pop("m_v_layers")
+        md["m_v"] = "8"
+    else:
+        md["m_v_layers"] = value
+    save_file(ts, path, metadata=md)
+    with pytest.raises(codebooks.CodebookError, match=match):
+        codebooks.read_info(path)

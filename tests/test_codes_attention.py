@@ -152,7 +152,7 @@ def test_kernel_compiles_for_hopper():
     """Triton compiles the kernels for sm_90 at every head size, bfloat16 and float16, with
     no GPU (in a process of its own: the interpreter the CPU tests run in does not lower
     it), so that an error of the real compiler does not wait for a GPU."""
-    assert compile_script("compile_codes_attention.py").count("compiled") == 12
+    assert compile_script("compile_codes_attention.py").count("compiled") == 16
 
 
 def test_first_occurrence():

@@ -187,6 +187,34 @@ def test_cuda_graph_engine_pads_steps_and_matches_eager(tmp_path, monkeypatch, e
     assert greedy(llm) == want
 
 
+def kv_cache_shapes(model) -> dict[str, tuple]:
+    """Each attention layer's KV cache tensor shape (for apply_model)."""
+    return {name: tuple(m.kv_cache.shape) for name, m in model.named_modules()
+            if isinstance(getattr(m, "kv_cache", None), torch.Tensor) and m.kv_cache.numel()}
+
+
+def test_v_bits_by_layer_get_pages_of_their_size_and_serve_in_cuda_graphs(tmp_path, monkeypatch):
+    """Codebooks with V at 2 bits in layer 0 and 1 bit in layer 1 (K 4 bits): vLLM gives
+    each layer pages of its own bytes per token (K 32 + V 16, K 32 + V 8), the same blocks
+    for both, and decode steps in CUDA graphs (each layer's kernel) give an eager engine's
+    greedy outputs."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    model, _ = tiny_target(tmp_path / "model", "eagle3")
+    books = random_codebooks(str(tmp_path / "mixed.safetensors"), model, 32, m_v=[16, 8], seed=4)
+    eager = engine(model, books, 32)
+    (shapes,) = eager.apply_model(kv_cache_shapes)
+    by_layer = sorted(shapes.items())
+    assert [s[-1] for _, s in by_layer] == [48, 40], shapes
+    assert len({s[:-1] for _, s in by_layer}) == 1, shapes  # blocks, heads, tokens alike
+    want = greedy(eager)
+    del eager
+    settle()
+    llm = engine(model, books, 32, eager=False,
+                 compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
+                                     "cudagraph_capture_sizes": [1, 2, 4, 8]})
+    assert greedy(llm) == want
+
+
 def test_simple_cpu_offload_matches_gpu_prefix_hits(tmp_path, monkeypatch):
     """SimpleCPUOffloadConnector carries CUSTOM pages intact and resumes where a GPU
     prefix-cache hit would. Batch-invariant eager mode, window 128: a 32K-token prompt (256

@@ -185,3 +185,22 @@ def test_long_context_rows_name_an_exact_store_and_count_its_bytes():
     assert report.long_bits(e, {}) == "3.27"
     assert report.long_bits(dict(e, exact=0), {}) == "3"
     assert "+ 2 exact per page (3.27 bits)" in report.calibrated_name(e)
+
+
+def test_v_bits_by_layer_name_their_layers_and_average(tmp_path):
+    """A codebook file with V bits by layer (calibrate --bits-v-layers): its rows say which
+    layers differ and the bits per element it averages to, and how its other layers' V
+    was trained."""
+    from helpers import random_codebooks, write_model_config
+
+    from common import codebook_meta
+
+    model = write_model_config(str(tmp_path / "m"), head_dim=64, layers=5)
+    path = random_codebooks(str(tmp_path / "mixed.safetensors"), model, 32,
+                            m_v=[16, 16, 32, 32, 8])
+    meta = codebook_meta(path)
+    assert meta["v_layers"] == {4: "2-3", 1: "4"} and meta["bits_v_base"] == 2
+    assert meta["bits_v"] == 2.6 and meta["m_v"] is None
+    row = dict(meta, method=json.dumps({"v_gamma": 0.5}))
+    assert report.cache_name(row) == ("CUSTOM K4/V2, V 4 in layers 2-3, V 1 in layer 4 "
+                                      "(3.3 bits), V in the o_proj metric (default)")

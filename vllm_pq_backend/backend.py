@@ -10,7 +10,7 @@ from vllm.v1.attention.backend import AttentionBackend, AttentionType, MultipleO
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from .config import DEFAULT_BLOCK_SIZE
-from .engine_config import EngineConfig
+from .engine_config import EngineConfig, layer_of_caller
 from .impl import PQAttentionImpl
 from .layout import BLOCK_ALIGN, HEAD_DIMS
 from .metadata import PQMetadataBuilder
@@ -98,14 +98,21 @@ class PQAttentionBackend(AttentionBackend):
     @classmethod
     def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
         """A page holds codes and the exact store: layout.PageLayout.state_bytes per token
-        and KV head."""
+        and KV head, of the layer's bits where the codebooks' V bits differ by layer."""
         if spec.state_content_bytes is not None:
             return spec
         cfg = EngineConfig.of_caller()  # vLLM asks outside its config context
+        layer = 0 if cfg.m_v is not None else layer_of_caller()
+        if layer is None:
+            raise RuntimeError(
+                f"vllm_pq_backend: codebooks {cfg.codebooks.path} give V different bits by "
+                "layer, and vLLM asked for a page size without naming the layer (this vLLM "
+                "calls customize_spec from somewhere the backend does not know); use "
+                "codebooks with one V bit rate")
         return replace(
             spec,
             dtype=torch.uint8,
-            state_content_bytes=cfg.layout(spec.block_size).state_bytes,
+            state_content_bytes=cfg.layout(layer, spec.block_size).state_bytes,
         )
 
     @classmethod

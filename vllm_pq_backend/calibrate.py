@@ -49,9 +49,10 @@ from pathlib import Path
 
 import torch
 
-from .codebooks import (codebook_path_hint, describe_m, head_dim_of, reserve_nan_code,
-                        save_codebooks, supported_m_text)
-from .config import DEFAULT_BLOCK_SIZE, default_codebook_path, default_window
+from .codebooks import (codebook_path_hint, describe_layers_m, describe_m,
+                        head_dim_of, reserve_nan_code, save_codebooks, supported_m_text)
+from .config import (DEFAULT_BLOCK_SIZE, default_codebook_path, default_window, layer_runs,
+                     parse_layers)
 from .kmeans import kmeans
 from .layout import (BIT_RATES, NAN_CODE, NUM_CENTROIDS, bits_of, subspaces, supported_m,
                      window_start)
@@ -569,20 +570,25 @@ def train_layer(st: LayerStats, m_k: int, m_v: int, method: Method, seed: int, d
     return dict(k=kc, v=vc, k_transform=tk, v_transform=tv, err_k=ek, err_v=ev)
 
 
-def train(stats: list[LayerStats], m_k: int, m_v: int, method: Method, seed: int, device,
+def train(stats: list[LayerStats], m_k: int, m_v, method, seed: int, device,
           progress: bool = True) -> dict:
-    """Every layer: stacked tensors ``k [L, H, m_k, 256, d/m_k]``, ``v``, transforms
-    ``[L, H, d, d]`` (or None), and mean relative errors per layer."""
+    """Every layer: tensors ``k [L, H, m_k, 256, d/m_k]``, ``v`` (the same, or a list of
+    each layer's ``[H, Mv, 256, d/Mv]`` where ``m_v`` and ``method`` are lists, one per
+    layer), transforms ``[L, H, d, d]`` (or None), and mean relative errors per layer."""
     from tqdm import tqdm
 
+    per_layer = isinstance(m_v, list)
+    m_vs = m_v if per_layer else [m_v] * len(stats)
+    methods = method if isinstance(method, list) else [method] * len(stats)
+    desc = f"k-means K {m_k} / V {m_v if not per_layer else 'per layer'} subspaces"
     out = []
-    for st in tqdm(stats, desc=f"k-means K {m_k} / V {m_v} subspaces", unit="layer",
-                   disable=not progress):
+    for st, mv, meth in tqdm(list(zip(stats, m_vs, methods)), desc=desc, unit="layer",
+                             disable=not progress):
         out.append({key: (val.cpu() if val is not None else None)
-                    for key, val in train_layer(st, m_k, m_v, method, seed, device).items()})
+                    for key, val in train_layer(st, m_k, mv, meth, seed, device).items()})
     stack = lambda key: None if out[0][key] is None else torch.stack([o[key] for o in out])  # noqa: E731
-    return dict(k=stack("k"), v=stack("v"), k_transform=stack("k_transform"),
-                v_transform=stack("v_transform"),
+    return dict(k=stack("k"), v=[o["v"] for o in out] if per_layer else stack("v"),
+                k_transform=stack("k_transform"), v_transform=stack("v_transform"),
                 rel_mse_k=[round(float(o["err_k"].mean()), 5) for o in out],
                 rel_mse_v=[round(float(o["err_v"].mean()), 5) for o in out])
 
@@ -617,6 +623,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bits-v", type=int, default=None, choices=BITS, metavar="{%s}" % bits,
                    help="bits per element of V when it differs from K's (K 4 / V 2: 3 bits "
                         "per element on average)")
+    p.add_argument("--bits-v-layers", nargs="+", default=[], metavar="BITS@LAYERS",
+                   type=_bits_at_layers,
+                   help="other bits per element of V in some layers, e.g. 4@18-23 1@0-11: "
+                        "spend V's bits where the model needs them (docs/results.md); the "
+                        "file averages its layers' bits")
     p.add_argument("--m", type=int, default=None,
                    help="K subspaces per head instead of --bits (head_dim/2 is 4 bits)")
     p.add_argument("--m-v", type=int, default=None,
@@ -657,6 +668,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model dtype for the forward passes (default bfloat16, as served)")
     p.add_argument("--seed", type=int, default=0)
     return p
+
+
+def _bits_at_layers(text: str) -> tuple[int, list[int]]:
+    """BITS@LAYERS (--bits-v-layers) -> (bits, layer indices)."""
+    bits, _, layers = text.partition("@")
+    try:
+        out = int(bits), parse_layers(layers)
+    except ValueError:
+        out = None
+    if out is None or out[0] not in BITS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give BITS@LAYERS with BITS one of {BITS}, e.g. 4@18-23 or 1@0-5,8")
+    return out
 
 
 def _overrides(parser, items: list[str]) -> dict:
@@ -705,22 +729,33 @@ def _check_args(parser, args) -> None:
                          f"cuda:{n - 1}")
 
 
-def _subspaces(parser, args, head_dim: int) -> tuple[int, int]:
-    """(Mk, Mv) the arguments ask for, if the kernels are built for them."""
+def _subspaces(parser, args, head_dim: int, num_layers: int) -> tuple[int, int, list[int]]:
+    """Mk, Mv and each layer's Mv (--bits-v-layers) the arguments ask for, if the kernels
+    are built for them."""
     m = args.m if args.m is not None else subspaces(head_dim, args.bits)
     if args.m_v is not None:
         m_v = args.m_v
     else:
         m_v = subspaces(head_dim, args.bits_v) if args.bits_v is not None else m
-    if (m, m_v) not in supported_m(head_dim):
-        given = [f"--m {args.m}" if args.m is not None else f"--bits {args.bits}"]
-        if args.m_v is not None:
-            given.append(f"--m-v {args.m_v}")
-        elif args.bits_v is not None:
-            given.append(f"--bits-v {args.bits_v}")
-        parser.error(f"{' '.join(given)} asks for {describe_m(head_dim, m, m_v)}, which is not "
-                     f"built; head_dim {head_dim} supports {supported_m_text(head_dim)}")
-    return m, m_v
+    m_vs = [m_v] * num_layers
+    given = [f"--m {args.m}" if args.m is not None else f"--bits {args.bits}"]
+    if args.m_v is not None:
+        given.append(f"--m-v {args.m_v}")
+    elif args.bits_v is not None:
+        given.append(f"--bits-v {args.bits_v}")
+    for bits, layers in args.bits_v_layers:
+        if layers[-1] >= num_layers:
+            parser.error(f"--bits-v-layers {bits}@{layer_runs(layers)}: the model has "
+                         f"{num_layers} layers, 0 to {num_layers - 1}")
+        for i in layers:
+            m_vs[i] = subspaces(head_dim, bits)
+    for mv in sorted(set(m_vs)):
+        if (m, mv) not in supported_m(head_dim):
+            parser.error(f"{' '.join(given)} asks for {describe_m(head_dim, m, mv)}"
+                         + ("" if mv == m_v else " in some layers (--bits-v-layers)")
+                         + f", which is not built; head_dim {head_dim} supports "
+                         f"{supported_m_text(head_dim)}")
+    return m, m_vs[0] if len(set(m_vs)) == 1 else m_v, m_vs
 
 
 def cpu_warning(params: int, tokens: int) -> str:
@@ -802,12 +837,19 @@ def _run(args, parser) -> int:
     except (OSError, ValueError, KeyError, AttributeError) as e:
         raise CalibrationError(f"--model {args.model}: its config.json is not a transformers "
                                f"model config ({_first_line(e)})") from None
-    m, m_v = _subspaces(parser, args, d)
-    out = args.out or default_codebook_path(args.model, m, m_v)
-    method = default_method(bits_of(d, m_v), args.niter)
-    if args.plain:
-        method = Method(k_gamma=0, k_rotate=False, v_rotate=False, v_alpha=0, niter=args.niter)
-    method = replace(method, **_overrides(parser, args.method))
+    m, m_v, m_vs = _subspaces(parser, args, d, hf.get_text_config().num_hidden_layers)
+    out = args.out or default_codebook_path(args.model, m, m_v, m_vs)
+    overrides = _overrides(parser, args.method)
+
+    def method_at(mv: int) -> Method:  # V's metric depends on its bits (default_method)
+        method = default_method(bits_of(d, mv), args.niter)
+        if args.plain:
+            method = Method(k_gamma=0, k_rotate=False, v_rotate=False, v_alpha=0,
+                            niter=args.niter)
+        return replace(method, **overrides)
+
+    method = method_at(m_v)
+    what = describe_layers_m(d, m, m_vs)
 
     context = getattr(hf.get_text_config(), "max_position_embeddings", None)
     if args.window is None:  # the window serving picks for this model at its default block
@@ -837,7 +879,7 @@ def _run(args, parser) -> int:
               f"packed text (the default)", file=sys.stderr)
     cfg, model = load_weights(args.model, args.dtype, args.device)
     print(f"calibration: {docs.count} documents, {len(seqs)} sequences, {total} tokens, "
-          f"{describe_m(d, m, m_v)}, device {args.device}", flush=True)
+          f"{what}, device {args.device}", flush=True)
     if torch.device(args.device).type == "cpu":
         print(cpu_warning(sum(p.numel() for p in model.parameters()), total), file=sys.stderr,
               flush=True)
@@ -851,7 +893,9 @@ def _run(args, parser) -> int:
     if samples < NUM_CENTROIDS:  # rows kept per sequence are rounded
         raise CalibrationError(f"{samples} samples per head kept; k-means needs "
                                f"{NUM_CENTROIDS}: raise --samples")
-    books = train(stats, m, m_v, method, args.seed, args.device)
+    mixed = len(set(m_vs)) > 1
+    books = train(stats, m, m_vs if mixed else m_v, [method_at(mv) for mv in m_vs] if mixed
+                  else method, args.seed, args.device)
     save_codebooks(out, books["k"], books["v"], cfg, {
         "model": os.path.abspath(args.model),
         "texts": [os.path.abspath(t) for t in args.text],
@@ -860,12 +904,16 @@ def _run(args, parser) -> int:
         "seed": args.seed, "dtype": args.dtype, "window": args.window,
         "shuffle_docs": args.shuffle_docs, "pack": args.pack,
         "method": asdict(method), "pinned_bos_sink": stats[0].sink is not None,
+        **({"bits_v_layers": {str(bits_of(d, mv)): layer_runs(
+            i for i, x in enumerate(m_vs) if x == mv) for mv in set(m_vs) - {m_v}},
+            "methods_v_layers": {str(bits_of(d, mv)): asdict(method_at(mv))
+                                 for mv in set(m_vs) - {m_v}}} if mixed else {}),
         "rel_mse_k": books["rel_mse_k"], "rel_mse_v": books["rel_mse_v"],
         "seconds": round(time.time() - t0, 1),
     }, k_transform=books["k_transform"], v_transform=books["v_transform"])
     mk, mv = (sum(books[x]) / len(books[x]) for x in ("rel_mse_k", "rel_mse_v"))
     print(f"wrote {out}: {cfg.num_hidden_layers} layers x {books['k'].shape[1]} KV heads, "
-          f"{describe_m(d, m, m_v)}, {samples} samples per head, mean relative error K {mk:.4f} V {mv:.4f} "
+          f"{what}, {samples} samples per head, mean relative error K {mk:.4f} V {mv:.4f} "
           f"(in the trained metric; {time.time() - t0:.0f} s)")
     print(codebook_path_hint(out, args.model, m, m_v, d))
     return 0

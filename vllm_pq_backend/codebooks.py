@@ -1,7 +1,11 @@
 """Codebook files: K and V centroids per layer and KV head, in safetensors.
 
 Tensors ``k_centroids`` float32 ``[layers, kv_heads, Mk, 256, head_dim/Mk]`` and
-``v_centroids`` ``[layers, kv_heads, Mv, 256, head_dim/Mv]`` (K and V may differ in bits);
+``v_centroids`` ``[layers, kv_heads, Mv, 256, head_dim/Mv]`` (K and V may differ in bits).
+V's subspaces may also differ by layer (``calibrate --bits-v-layers``): metadata
+``m_v_layers`` (JSON, one per layer) replaces ``m_v``, and ``v_centroids`` is
+``[layers, kv_heads, 256 * head_dim]``, each layer's ``[Mv, 256, head_dim/Mv]`` flattened
+(the same count at every Mv);
 optional ``k_transform`` / ``v_transform``: float32 ``[layers, kv_heads, head_dim, head_dim]``.
 With a K transform T the codes are of ``k T`` (and the backend scores ``q T^-T``, so
 q.k is unchanged); with a V transform the codes are of ``v T`` and the attention output is
@@ -9,7 +13,8 @@ mapped back by ``T^-1`` (see calibrate.py for why). Absent means identity.
 Metadata (strings): ``format``, ``fingerprint`` (hash of the model's attention-relevant
 config), ``fingerprint_fields`` (JSON, to say what differs), ``head_dim``, ``m_k``, ``m_v``,
 ``bits_k``, ``bits_v`` (per element), ``k_post_rope``, ``num_layers``, ``num_kv_heads``,
-``model``, ``calibration`` (JSON). Formats 1 and 2 had one ``m`` for K and V.
+``model``, ``calibration`` (JSON). Formats 1 and 2 had one ``m`` for K and V; format 4
+added ``m_v_layers``.
 
 A file is checked before use, not trusted: the metadata must be complete and agree with
 the tensors' shapes (read_info), and every centroid and map must be finite, every map
@@ -29,12 +34,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .config import default_codebook_path
+from .config import default_codebook_path, layer_runs, layers_words
 from .layout import NAN_CODE, NUM_CENTROIDS, bits_of, supported_m
 
-FORMAT = "vllm_pq_backend/codebooks/3"
-# 1: no transforms; 1 and 2: one M for K and V
-READABLE = ("vllm_pq_backend/codebooks/1", "vllm_pq_backend/codebooks/2", FORMAT)
+FORMAT = "vllm_pq_backend/codebooks/4"
+# 1: no transforms; 1 and 2: one M for K and V; 1 to 3: one M for V in every layer
+READABLE = tuple(f"vllm_pq_backend/codebooks/{n}" for n in (1, 2, 3)) + (FORMAT,)
 TRANSFORMS = ("k_transform", "v_transform")
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names
 
@@ -83,6 +88,26 @@ def describe_m(head_dim: int, m_k: int, m_v: int) -> str:
     return f"K {bk} / V {bv} bits per element (Mk={m_k}, Mv={m_v})"
 
 
+def base_m_v(m_v_layers) -> int:
+    """The V subspaces most layers have (the lower on a tie): the others are exceptions."""
+    return max(sorted(set(m_v_layers)), key=list(m_v_layers).count)
+
+
+def describe_layers_m(head_dim: int, m_k: int, m_v_layers) -> str:
+    """describe_m, with the layers whose V differs: 'K 4 / V 2 bits per element, V 4 in
+    layers 18-23 (3.2 bits per element on average; Mk=32, Mv=16, 32 in 18-23)'."""
+    if len(set(m_v_layers)) == 1:
+        return describe_m(head_dim, m_k, m_v_layers[0])
+    base = base_m_v(m_v_layers)
+    others = sorted(set(m_v_layers) - {base}, reverse=True)
+    where = {m: layer_runs(i for i, x in enumerate(m_v_layers) if x == m) for m in others}
+    mean = (bits_of(head_dim, m_k) + 8 * sum(m_v_layers) / len(m_v_layers) / head_dim) / 2
+    return (f"K {bits_of(head_dim, m_k)} / V {bits_of(head_dim, base)} bits per element, "
+            + ", ".join(f"V {bits_of(head_dim, m)} in {layers_words(where[m])}" for m in others)
+            + f" ({mean:.3g} bits per element on average; Mk={m_k}, Mv={base}, "
+            + ", ".join(f"{m} in {where[m]}" for m in others) + ")")
+
+
 def supported_m_text(head_dim: int) -> str:
     return "; ".join(describe_m(head_dim, mk, mv) for mk, mv in supported_m(head_dim))
 
@@ -114,28 +139,38 @@ class CodebookError(ValueError):
     pass
 
 
-def save_codebooks(path: str, k: torch.Tensor, v: torch.Tensor, cfg, extra: dict,
+def save_codebooks(path: str, k: torch.Tensor, v, cfg, extra: dict,
                    k_transform: torch.Tensor | None = None,
                    v_transform: torch.Tensor | None = None) -> None:
+    """``v``: ``[layers, kv_heads, Mv, 256, head_dim/Mv]``, or a list of each layer's
+    ``[kv_heads, Mv, 256, head_dim/Mv]`` where layers differ in Mv."""
     assert k.dim() == 5 and k.shape[3] == NUM_CENTROIDS, k.shape
     layers, heads, m_k, _, ds = k.shape
-    d, m_v = m_k * ds, v.shape[2]
-    assert v.shape == (layers, heads, m_v, NUM_CENTROIDS, d // m_v), v.shape
+    d = m_k * ds
+    if not torch.is_tensor(v):
+        assert len(v) == layers, len(v)
+        v = torch.stack(v) if len({t.shape for t in v}) == 1 else v
+    m_v_layers = ([t.shape[1] for t in v] if isinstance(v, list) else [v.shape[2]] * layers)
+    for m_v, t in zip(m_v_layers, v):
+        assert t.shape == (heads, m_v, NUM_CENTROIDS, d // m_v), t.shape
+    mixed = isinstance(v, list)
+    v = torch.stack([t.reshape(heads, -1) for t in v]) if mixed else v
     tensors = {"k_centroids": k.float().contiguous(), "v_centroids": v.float().contiguous()}
     for name, t in zip(TRANSFORMS, (k_transform, v_transform)):
         if t is not None:
             assert t.shape == (layers, heads, d, d), (name, t.shape)
             tensors[name] = t.float().contiguous()
     fields = fingerprint_fields(cfg)
+    bits_v = bits_of(d, sum(m_v_layers) / layers)
     meta = {
         "format": FORMAT,
         "fingerprint": fingerprint(fields),
         "fingerprint_fields": json.dumps(fields, sort_keys=True),
         "head_dim": str(d),
         "m_k": str(m_k),
-        "m_v": str(m_v),
+        **({"m_v_layers": json.dumps(m_v_layers)} if mixed else {"m_v": str(m_v_layers[0])}),
         "bits_k": str(bits_of(d, m_k)),
-        "bits_v": str(bits_of(d, m_v)),
+        "bits_v": str(round(bits_v, 4)),
         "k_post_rope": "true",
         "num_layers": str(layers),
         "num_kv_heads": str(heads),
@@ -150,13 +185,26 @@ def save_codebooks(path: str, k: torch.Tensor, v: torch.Tensor, cfg, extra: dict
 class CodebookInfo:
     path: str
     m_k: int  # K subspaces per head
-    m_v: int
+    m_v_layers: tuple[int, ...]  # V subspaces per head, of each layer
     head_dim: int
     num_layers: int
     num_kv_heads: int
     fingerprint: str
     fields: dict
     transforms: tuple[str, ...] = ()  # which of TRANSFORMS the file has
+
+    @property
+    def m_v(self) -> int | None:
+        """V subspaces per head if every layer has the same, else None (m_v_layers)."""
+        return self.m_v_layers[0] if len(set(self.m_v_layers)) == 1 else None
+
+    @property
+    def bits_v(self) -> float:
+        """V's bits per element, averaged over the layers."""
+        return bits_of(self.head_dim, round(sum(self.m_v_layers) / len(self.m_v_layers), 6))
+
+    def describe(self) -> str:
+        return describe_layers_m(self.head_dim, self.m_k, self.m_v_layers)
 
 
 def read_info(path: str) -> CodebookInfo:
@@ -203,8 +251,20 @@ def _read_info(path: str, _mtime_ns: int, _size: int) -> CodebookInfo:
             raise _damaged(path, f"metadata {key}={value} is not positive")
         return value
 
-    m_k, m_v = number("m_k", "m"), number("m_v", "m")
+    m_k = number("m_k", "m")
     d, layers, heads = number("head_dim"), number("num_layers"), number("num_kv_heads")
+    mixed = "m_v_layers" in meta
+    if mixed:
+        try:
+            m_v_layers = json.loads(meta["m_v_layers"])
+        except json.JSONDecodeError:
+            m_v_layers = None
+        if (not isinstance(m_v_layers, list) or len(m_v_layers) != layers
+                or not all(isinstance(m, int) and m > 0 for m in m_v_layers)):
+            raise _damaged(path, f"metadata m_v_layers={meta['m_v_layers']!r} is not a list of "
+                                 f"{layers} positive integers (one per layer)")
+    else:
+        m_v_layers = [number("m_v", "m")] * layers
     for key in ("fingerprint", "fingerprint_fields"):
         if key not in meta:
             raise _damaged(path, f"its metadata has no {key!r}")
@@ -219,22 +279,27 @@ def _read_info(path: str, _mtime_ns: int, _size: int) -> CodebookInfo:
         if key in fields and fields[key] != have:
             raise _damaged(path, f"fingerprint_fields says {key}={fields[key]!r}, the "
                                  f"header {have}")
-    for m in (m_k, m_v):
+    for m in (m_k, *sorted(set(m_v_layers))):
         if d % m:
             raise _damaged(path, f"head_dim {d} is not a multiple of its {m} subspaces")
     want = {"k_centroids": [layers, heads, m_k, NUM_CENTROIDS, d // m_k],
-            "v_centroids": [layers, heads, m_v, NUM_CENTROIDS, d // m_v]}
+            "v_centroids": [layers, heads, NUM_CENTROIDS * d] if mixed else
+            [layers, heads, m_v_layers[0], NUM_CENTROIDS, d // m_v_layers[0]]}
     want.update({name: [layers, heads, d, d] for name in TRANSFORMS if name in shapes})
+    m_v_text = f"m_v_layers {m_v_layers}" if mixed else f"m_v {m_v_layers[0]}"
     for name, shape in want.items():
         if shapes[name] != shape:
             raise _damaged(path, f"{name} has shape {shapes[name]}, its metadata (num_layers "
                                  f"{layers}, num_kv_heads {heads}, head_dim {d}, m_k {m_k}, "
-                                 f"m_v {m_v}) says {shape}")
+                                 f"{m_v_text}) says {shape}")
         if dtypes[name] not in FLOAT_DTYPES:
             raise _damaged(path, f"{name} is {dtypes[name]}, not floating point")
     with safe_open(path, framework="pt") as f:  # subspace 0, where the marker is: a small read
-        sub0 = [f.get_slice(name)[:, :, 0] for name in ("k_centroids", "v_centroids")]
-    if not all(nan_code_free(c.unsqueeze(2)) for c in sub0):
+        sub0 = [f.get_slice("k_centroids")[:, :, 0].unsqueeze(2)]
+        v_sub = f.get_slice("v_centroids")
+        sub0 += ([v_sub[i, :, : NUM_CENTROIDS * d // m].view(heads, 1, NUM_CENTROIDS, -1)
+                  for i, m in enumerate(m_v_layers)] if mixed else [v_sub[:, :, 0].unsqueeze(2)])
+    if not all(nan_code_free(c) for c in sub0):
         logger.warning(
             "PQ codebooks %s: code %d of subspace 0 holds a trained centroid, which serving "
             "gives up to mark non-finite K/V (layout.NAN_CODE); vectors nearest to it, the "
@@ -243,7 +308,7 @@ def _read_info(path: str, _mtime_ns: int, _size: int) -> CodebookInfo:
     return CodebookInfo(
         path=path,
         m_k=m_k,
-        m_v=m_v,
+        m_v_layers=tuple(m_v_layers),
         head_dim=d,
         num_layers=layers,
         num_kv_heads=heads,
@@ -259,14 +324,20 @@ def validate(info: CodebookInfo, cfg, want_m: int | None, want_m_v: int | None,
     kernels)."""
     fields = fingerprint_fields(cfg)
     problems = []
-    for name, want, have in (("M", want_m, info.m_k), ("Mv", want_m_v, info.m_v)):
+    for name, want, have in (("M", want_m, info.m_k),
+                             ("Mv", want_m_v, info.m_v or f"one per layer, {info.describe()}")):
         if want is not None and want != have:
             problems.append(f"{name}: file has {have}, configuration asks for {want}")
     if info.head_dim != fields["head_dim"]:
         problems.append(f"head_dim: file {info.head_dim}, model {fields['head_dim']}")
-    elif (info.m_k, info.m_v) not in supported_m(info.head_dim):
-        problems.append(f"the file's Mk={info.m_k}, Mv={info.m_v} is not a supported setting "
-                        f"(head_dim {info.head_dim}: {supported_m_text(info.head_dim)})")
+    else:
+        for m_v in sorted(set(info.m_v_layers)):
+            if (info.m_k, m_v) not in supported_m(info.head_dim):
+                where = ("" if info.m_v else " (" + layers_words(
+                    layer_runs(i for i, m in enumerate(info.m_v_layers) if m == m_v)) + ")")
+                problems.append(f"the file's Mk={info.m_k}, Mv={m_v}{where} is not a supported "
+                                f"setting (head_dim {info.head_dim}: "
+                                f"{supported_m_text(info.head_dim)})")
     if info.fingerprint != fingerprint(fields):
         diff = [
             f"{k}: file {info.fields.get(k)!r}, model {v!r}"
@@ -296,11 +367,14 @@ def _finite(info: CodebookInfo, layer: int, name: str, t: torch.Tensor) -> torch
 
 def load_layer(info: CodebookInfo, layer: int, heads: slice) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 K and V centroids of one layer, ``[heads, Mk, 256, head_dim/Mk]`` and
-    ``[heads, Mv, 256, head_dim/Mv]``; a non-finite centroid is refused (CodebookError)."""
+    ``[heads, Mv, 256, head_dim/Mv]`` (this layer's Mv); a non-finite centroid is refused
+    (CodebookError)."""
     _layer_index(info, layer)
     with safe_open(info.path, framework="pt") as f:
         k = f.get_slice("k_centroids")[layer, heads]
         v = f.get_slice("v_centroids")[layer, heads]
+    m_v = info.m_v_layers[layer]
+    v = v.reshape(v.shape[0], m_v, NUM_CENTROIDS, info.head_dim // m_v)
     return (_finite(info, layer, "K centroids", k.float().contiguous()),
             _finite(info, layer, "V centroids", v.float().contiguous()))
 

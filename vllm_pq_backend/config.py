@@ -38,9 +38,43 @@ MAX_EXACT = 16
 _KEYS = {"codebooks", "m", "m_v", "window", "window_memory", "exact"}
 
 
-def default_codebook_path(model_dir: str, m_k: int, m_v: int | None = None) -> str:
+def parse_layers(text: str) -> list[int]:
+    """Layer indices from ``18-23`` or ``0-11,18-23`` (sorted, once each); ValueError if
+    that is not what it is."""
+    ids = []
+    for run in text.split(","):
+        lo, dash, hi = run.partition("-")
+        first, last = int(lo), int(hi if dash else lo)
+        if first < 0 or last < first:
+            raise ValueError(f"layers {run!r}: give FIRST-LAST with 0 <= FIRST <= LAST")
+        ids += range(first, last + 1)
+    return sorted(set(ids))
+
+
+def layer_runs(ids) -> str:
+    """``0-11,18-23`` for those layers: parse_layers' inverse."""
+    ids, runs = sorted(ids), []
+    for i in ids:
+        if runs and runs[-1][1] == i - 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def layers_words(runs: str) -> str:
+    """'layer 4' or 'layers 2-3,7' (layer_runs' text)."""
+    return ("layers " if any(c in runs for c in ",-") else "layer ") + runs
+
+
+def default_codebook_path(model_dir: str, m_k: int, m_v: int | None = None,
+                          m_v_layers=None) -> str:
+    """MODEL/pq/codebooks_m<Mk>[_v<Mv>][_v<Mv>l<layers>...].safetensors; the last part
+    names the layers whose V differs from ``m_v`` (``m_v_layers``: each layer's)."""
     # In a subfolder: vLLM loads every top-level *.safetensors of a model as weights.
     v = "" if m_v in (None, m_k) else f"_v{m_v}"
+    for mv in sorted(set(m_v_layers or ()) - {m_v or m_k}, reverse=True):
+        v += f"_v{mv}l" + layer_runs(i for i, x in enumerate(m_v_layers) if x == mv)
     return os.path.join(model_dir, "pq", f"codebooks_m{m_k}{v}.safetensors")
 
 

@@ -42,7 +42,8 @@ class EngineConfig:
         self.head_size = mc.get_head_size()
         self.codebooks = codebooks.read_info(self.user.codebook_file(self.head_size))
         codebooks.validate(self.codebooks, mc.hf_config, self.user.m_k, self.user.m_v, mc.model)
-        self.m_k, self.m_v = self.codebooks.m_k, self.codebooks.m_v  # K and V subspaces per head
+        self.m_k = self.codebooks.m_k  # K subspaces per head
+        self.m_v_layers = self.codebooks.m_v_layers  # V subspaces per head, of each layer
         self.exact = self.user.exact  # exact store entries per page and KV head
         self.max_model_len = mc.max_model_len
         self._cache = vllm_config.cache_config
@@ -83,10 +84,19 @@ class EngineConfig:
     def block_size(self) -> int:
         return self._cache.block_size
 
-    def layout(self, block_size: int | None = None) -> PageLayout:
-        """The page layout at ``block_size`` (default: the engine's)."""
-        return PageLayout(block_size or self.block_size, self.m_k, self.m_v, self.head_size,
-                          self.exact)
+    def layout(self, layer: int, block_size: int | None = None) -> PageLayout:
+        """Layer ``layer``'s page layout at ``block_size`` (default: the engine's)."""
+        return PageLayout(block_size or self.block_size, self.m_k, self.m_v_layers[layer],
+                          self.head_size, self.exact)
+
+    @property
+    def has_sliding_layers(self) -> bool:
+        return self._sliding_window is not None
+
+    @property
+    def m_v(self) -> int | None:
+        """V subspaces per head if every layer has the same (else None: m_v_layers)."""
+        return self.codebooks.m_v
 
     @property
     def window(self) -> int:
@@ -268,11 +278,28 @@ def vllm_config_of_caller():
     return vc
 
 
+def layer_of_caller() -> int | None:
+    """The index of the attention layer whose page size vLLM is asking for, or None.
+
+    ``customize_spec`` gets a spec without the layer it is for; its callers hold the layer:
+    the model runners' ``get_kv_cache_spec`` loops over ``layer_name``, and a layer's own
+    ``get_kv_cache_spec`` (sliding-window layers) is a method of the layer. Needed only
+    where the codebooks give layers different bits."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    for loc in callers_locals():
+        name = loc.get("layer_name", getattr(loc.get("self"), "layer_name", None))
+        if isinstance(name, str):
+            return extract_layer_index(name)
+    return None
+
+
 def callers_locals():
     """The local variables of the frames above the caller, innermost first. vLLM hands a
-    backend no handle on its engine at two calls (the page size, ``vllm_config_of_caller``;
-    the metadata builder's construction, ``metadata.runner_requests``); the engine's own
-    frames up the stack hold what they need. The one place the package reads the stack."""
+    backend no handle on its engine or layer at two calls (the page size,
+    ``vllm_config_of_caller`` and ``layer_of_caller``; the metadata builder's construction,
+    ``metadata.runner_requests``); the engine's own frames up the stack hold what they need.
+    The one place the package reads the stack."""
     frame = sys._getframe(2)  # 0: this generator, 1: its consumer, 2: the consumer's caller
     while frame is not None:
         yield frame.f_locals

@@ -58,7 +58,7 @@ class LayerState:
                              f"{dtype}'s range; run the model in bfloat16 or recalibrate.")
         # contiguous: linalg.inv returns column-major matrices, the map kernel reads rows
         self.maps = {k: None if t is None else t.to(device).contiguous() for k, t in maps.items()}
-        self.layout = cfg.layout()
+        self.layout = cfg.layout(layer_index)
         self.window = cfg.window
         self.sliding_window = impl.sliding_window
         self.sinks = impl.sinks
@@ -325,7 +325,7 @@ def _log_memory(impl: PQAttentionImpl, st: LayerState) -> None:
     cfg = impl.cfg
     layers = cfg.codebooks.num_layers
     esz = st.k_cb.element_size()  # the model's activation dtype: what a dense cache holds
-    per_token = impl.num_kv_heads * st.layout.state_bytes * layers
+    per_token = impl.num_kv_heads * sum(cfg.layout(i).state_bytes for i in range(layers))
     dense = 2 * impl.num_kv_heads * impl.head_size * esz * layers
     books = (2 * st.k_cb32.numel() * (4 + esz) + st.k_grid.numel() + st.v_grid.numel()
              + st.books.numel()) * layers
@@ -347,9 +347,15 @@ def _log_memory(impl: PQAttentionImpl, st: LayerState) -> None:
         "KV pages: %d B/token "
         "(dense %s: %d B/token, %.1fx less). %s Codebooks: %.1f MiB. Prefill pages "
         "(transient, one layer): %.1f MiB. Decode split results: %.1f MiB.",
-        codebooks.describe_m(impl.head_size, st.layout.m_k, st.layout.m_v),
+        cfg.codebooks.describe(),
         f"CUDA kernels ({kernels.load()})" if st.kernels else "PyTorch reference path (slow)",
         st.layout.block_size, st.window, st.layout.exact, layers, per_token, st.k_cb.dtype,
         dense, dense / per_token, window, books / 2**20, st.prefill_scratch / 2**20,
         st.decode_workspace / 2**20,
     )
+    if cfg.m_v is None and cfg.has_sliding_layers:
+        logger.warning(
+            "vllm_pq_backend: codebooks %s give V different bits by layer on a model with "
+            "sliding-window layers, whose KV cache groups vLLM pads to one page size: every "
+            "layer takes the largest layer's bytes per token, so the layers with fewer bits "
+            "save no memory.", cfg.codebooks.path)

@@ -69,7 +69,9 @@ BLOCK_ALIGN = 32  # the decode kernel consumes pages in 32-token chunks
 HEAD_DIMS = (64, 128, 256)  # head sizes the kernels are built for
 # (bits per element of K, of V) -> subspaces per head: 8-bit codes over head_dim / M dims
 # are 8 M / head_dim bits per element. csrc/gen_units.py builds a decode kernel for each.
-BIT_RATES = ((1, 1), (2, 2), (4, 4), (4, 2))
+# A codebook file may give V other bits in some layers (codebooks.py): each layer's pair
+# is one of these.
+BIT_RATES = ((1, 1), (2, 2), (4, 4), (4, 2), (4, 1))
 RESIDUAL_BYTES = 2  # exact store residuals: the activation dtype (bf16 or fp16)
 
 

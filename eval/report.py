@@ -162,6 +162,16 @@ def exact_store() -> str:
     return quality_table("exact_store.json")
 
 
+@table("layer-bits")
+def layer_bits() -> str:
+    return quality_table("layer_bits.json")
+
+
+@table("quality-gemma3")
+def quality_gemma3() -> str:
+    return quality_table("gemma_2k.json")
+
+
 def quality_table(file: str) -> str:
     """eval/quality.py's rows: bf16's perplexity per domain, the others' change."""
     data = load(file)

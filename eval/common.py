@@ -202,9 +202,10 @@ def engine_label(meta: dict, window: int) -> str:
 def v_layers_words(meta: dict) -> str:
     """The layers whose V bits differ from the file's others (codebook_meta), or "":
     ", V 4 in layers 18-23"."""
-    from vllm_pq_backend.config import layers_words
-
-    return "".join(f", V {b} in {layers_words(r)}" for b, r in (meta.get("v_layers") or {}).items())
+    # as vllm_pq_backend.config.layers_words, which report.py (run without the package
+    # installed) cannot import
+    return "".join(f", V {b} in layer{'s' if any(c in r for c in ',-') else ''} {r}"
+                   for b, r in (meta.get("v_layers") or {}).items())
 
 
 def custom_engines(paths: list[str], windows: list[int], exacts: list[int],

@@ -1214,9 +1214,18 @@ def sim_caption(data: dict, r: dict, flag: str, books: str, tail: str, name: str
 
 @table("layer-bits-sim")
 def layer_bits_sim() -> str:
-    """Some layers' V at more bits than the others' (accuracy_sim.py --v-from), beside the
-    uniform bit widths, one run."""
-    data, rs = exact_rows("layer_bits_sim.json")
+    return v_layers_sim_table("layer_bits_sim.json")
+
+
+@table("layer-groups-sim")
+def layer_groups_sim() -> str:
+    return v_layers_sim_table("layer_groups_sim.json")
+
+
+def v_layers_sim_table(file: str) -> str:
+    """Some layers' V at other bits than the others' (accuracy_sim.py --v-from), beside the
+    files' own bit widths, one run."""
+    data, rs = exact_rows(file)
     domains = list(dict.fromkeys(r["eval_text"] for r in rs))
     groups = {}
     for r in rs:
@@ -1227,7 +1236,7 @@ def layer_bits_sim() -> str:
         r = g[domains[0]]
         d = 8 * r["m_k"] // r["bits_k"]
         mvs = r["m_v"] if isinstance(r["m_v"], list) else [r["m_v"]] * n_layers
-        base = codebook_m_v(r) if r.get("v_from") else r["m_v"]
+        base = codebook_m_v(r) if r.get("v_from") else max(set(mvs), key=mvs.count)
         parts = [f"{8 * m // d} in layers " + layer_ranges([i for i, x in enumerate(mvs) if x == m])
                  for m in sorted({m for m in mvs if m != base}, reverse=True)]
         if base is not None:
@@ -1236,12 +1245,13 @@ def layer_bits_sim() -> str:
         body.append([r["bits_k"], ", ".join(parts), f"{bits:.2f}".rstrip("0").rstrip("."),
                      " / ".join(f"{g[d_]['delta_pct']:+.2f}" for d_ in domains)])
     books = {r["codebook_sha256"] for r in rs} | {v["codebook_sha256"] for r in rs for v in r.get("v_from") or []}
+    four = any(r["bits_k"] == r["bits_v"] == 4 and not r.get("v_from") for r in rs)
     return "\n".join([
         md(["bits of K", "bits of V", "bits per element", " / ".join(domains)], body), "",
         sim_caption(data, rs[0], "--v-from", f"codebook files (sha256 {', '.join(sorted(books))})",
-                    f"; each layer's V read through the file of its bits, K through the K4/V2 file "
-                    f"or, in the 4-bit row, the 4-bit file ({n_layers} layers).",
-                    "layer_bits_sim.json")])
+                    "; each layer's V read through the file of its bits, K through the K4/V2 file"
+                    + (" or, in the 4-bit row, the 4-bit file" if four else "")
+                    + f" ({n_layers} layers).", file)])
 
 
 def codebook_m_v(r: dict) -> int:

@@ -100,7 +100,7 @@ def append_rows(path: str, rows: list[dict]) -> None:
 def codebook_meta(path):
     """bits, M, method and hash of a codebook file, for the rows it produces."""
     from vllm_pq_backend import codebooks
-    from vllm_pq_backend.config import layer_runs
+    from vllm_pq_backend.config import layers_of_m
     from vllm_pq_backend.layout import bits_of
 
     info = codebooks.read_info(path)
@@ -108,9 +108,8 @@ def codebook_meta(path):
     with open(path, "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()[:16]
     base = codebooks.base_m_v(info.m_v_layers)
-    differ = {bits_of(info.head_dim, m): layer_runs(i for i, x in enumerate(info.m_v_layers)
-                                                    if x == m)
-              for m in sorted(set(info.m_v_layers) - {base}, reverse=True)}
+    differ = {bits_of(info.head_dim, m): runs
+              for m, runs in layers_of_m(info.m_v_layers, base).items()}
     return dict(m_k=info.m_k, m_v=info.m_v, head_dim=info.head_dim,
                 **({"m_v_layers": list(info.m_v_layers), "v_layers": differ,
                     "bits_v_base": bits_of(info.head_dim, base)} if differ else {}),

@@ -52,7 +52,7 @@ import torch
 from .codebooks import (codebook_path_hint, describe_layers_m, describe_m,
                         head_dim_of, reserve_nan_code, save_codebooks, supported_m_text)
 from .config import (DEFAULT_BLOCK_SIZE, default_codebook_path, default_window, layer_runs,
-                     parse_layers)
+                     layers_of_m, parse_layers)
 from .kmeans import kmeans
 from .layout import (BIT_RATES, NAN_CODE, NUM_CENTROIDS, bits_of, subspaces, supported_m,
                      window_start)
@@ -580,7 +580,7 @@ def train(stats: list[LayerStats], m_k: int, m_v, method, seed: int, device,
     per_layer = isinstance(m_v, list)
     m_vs = m_v if per_layer else [m_v] * len(stats)
     methods = method if isinstance(method, list) else [method] * len(stats)
-    desc = f"k-means K {m_k} / V {m_v if not per_layer else 'per layer'} subspaces"
+    desc = f"k-means K {m_k} / V {m_vs[0] if len(set(m_vs)) == 1 else 'per layer'} subspaces"
     out = []
     for st, mv, meth in tqdm(list(zip(stats, m_vs, methods)), desc=desc, unit="layer",
                              disable=not progress):
@@ -893,9 +893,7 @@ def _run(args, parser) -> int:
     if samples < NUM_CENTROIDS:  # rows kept per sequence are rounded
         raise CalibrationError(f"{samples} samples per head kept; k-means needs "
                                f"{NUM_CENTROIDS}: raise --samples")
-    mixed = len(set(m_vs)) > 1
-    books = train(stats, m, m_vs if mixed else m_v, [method_at(mv) for mv in m_vs] if mixed
-                  else method, args.seed, args.device)
+    books = train(stats, m, m_vs, [method_at(mv) for mv in m_vs], args.seed, args.device)
     save_codebooks(out, books["k"], books["v"], cfg, {
         "model": os.path.abspath(args.model),
         "texts": [os.path.abspath(t) for t in args.text],
@@ -904,10 +902,9 @@ def _run(args, parser) -> int:
         "seed": args.seed, "dtype": args.dtype, "window": args.window,
         "shuffle_docs": args.shuffle_docs, "pack": args.pack,
         "method": asdict(method), "pinned_bos_sink": stats[0].sink is not None,
-        **({"bits_v_layers": {str(bits_of(d, mv)): layer_runs(
-            i for i, x in enumerate(m_vs) if x == mv) for mv in set(m_vs) - {m_v}},
-            "methods_v_layers": {str(bits_of(d, mv)): asdict(method_at(mv))
-                                 for mv in set(m_vs) - {m_v}}} if mixed else {}),
+        **({"bits_v_layers": {str(bits_of(d, mv)): runs for mv, runs in other.items()},
+            "methods_v_layers": {str(bits_of(d, mv)): asdict(method_at(mv)) for mv in other}}
+           if (other := layers_of_m(m_vs, m_v)) else {}),
         "rel_mse_k": books["rel_mse_k"], "rel_mse_v": books["rel_mse_v"],
         "seconds": round(time.time() - t0, 1),
     }, k_transform=books["k_transform"], v_transform=books["v_transform"])

@@ -34,7 +34,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .config import default_codebook_path, layer_runs, layers_words
+from .config import default_codebook_path, layers_of_m, layers_words
 from .layout import NAN_CODE, NUM_CENTROIDS, bits_of, supported_m
 
 FORMAT = "vllm_pq_backend/codebooks/4"
@@ -93,19 +93,23 @@ def base_m_v(m_v_layers) -> int:
     return max(sorted(set(m_v_layers)), key=list(m_v_layers).count)
 
 
+def mean_bits(head_dim: int, m_v_layers) -> float:
+    """V's bits per element averaged over the layers."""
+    return bits_of(head_dim, round(sum(m_v_layers) / len(m_v_layers), 6))
+
+
 def describe_layers_m(head_dim: int, m_k: int, m_v_layers) -> str:
     """describe_m, with the layers whose V differs: 'K 4 / V 2 bits per element, V 4 in
     layers 18-23 (3.2 bits per element on average; Mk=32, Mv=16, 32 in 18-23)'."""
     if len(set(m_v_layers)) == 1:
         return describe_m(head_dim, m_k, m_v_layers[0])
     base = base_m_v(m_v_layers)
-    others = sorted(set(m_v_layers) - {base}, reverse=True)
-    where = {m: layer_runs(i for i, x in enumerate(m_v_layers) if x == m) for m in others}
-    mean = (bits_of(head_dim, m_k) + 8 * sum(m_v_layers) / len(m_v_layers) / head_dim) / 2
+    where = layers_of_m(m_v_layers, base)
+    mean = (bits_of(head_dim, m_k) + mean_bits(head_dim, m_v_layers)) / 2
     return (f"K {bits_of(head_dim, m_k)} / V {bits_of(head_dim, base)} bits per element, "
-            + ", ".join(f"V {bits_of(head_dim, m)} in {layers_words(where[m])}" for m in others)
+            + ", ".join(f"V {bits_of(head_dim, m)} in {layers_words(r)}" for m, r in where.items())
             + f" ({mean:.3g} bits per element on average; Mk={m_k}, Mv={base}, "
-            + ", ".join(f"{m} in {where[m]}" for m in others) + ")")
+            + ", ".join(f"{m} in {r}" for m, r in where.items()) + ")")
 
 
 def supported_m_text(head_dim: int) -> str:
@@ -161,7 +165,6 @@ def save_codebooks(path: str, k: torch.Tensor, v, cfg, extra: dict,
             assert t.shape == (layers, heads, d, d), (name, t.shape)
             tensors[name] = t.float().contiguous()
     fields = fingerprint_fields(cfg)
-    bits_v = bits_of(d, sum(m_v_layers) / layers)
     meta = {
         "format": FORMAT,
         "fingerprint": fingerprint(fields),
@@ -170,7 +173,7 @@ def save_codebooks(path: str, k: torch.Tensor, v, cfg, extra: dict,
         "m_k": str(m_k),
         **({"m_v_layers": json.dumps(m_v_layers)} if mixed else {"m_v": str(m_v_layers[0])}),
         "bits_k": str(bits_of(d, m_k)),
-        "bits_v": str(round(bits_v, 4)),
+        "bits_v": str(mean_bits(d, m_v_layers)),
         "k_post_rope": "true",
         "num_layers": str(layers),
         "num_kv_heads": str(heads),
@@ -201,7 +204,7 @@ class CodebookInfo:
     @property
     def bits_v(self) -> float:
         """V's bits per element, averaged over the layers."""
-        return bits_of(self.head_dim, round(sum(self.m_v_layers) / len(self.m_v_layers), 6))
+        return mean_bits(self.head_dim, self.m_v_layers)
 
     def describe(self) -> str:
         return describe_layers_m(self.head_dim, self.m_k, self.m_v_layers)
@@ -333,8 +336,8 @@ def validate(info: CodebookInfo, cfg, want_m: int | None, want_m_v: int | None,
     else:
         for m_v in sorted(set(info.m_v_layers)):
             if (info.m_k, m_v) not in supported_m(info.head_dim):
-                where = ("" if info.m_v else " (" + layers_words(
-                    layer_runs(i for i, m in enumerate(info.m_v_layers) if m == m_v)) + ")")
+                where = ("" if info.m_v else
+                         f" ({layers_words(layers_of_m(info.m_v_layers)[m_v])})")
                 problems.append(f"the file's Mk={info.m_k}, Mv={m_v}{where} is not a supported "
                                 f"setting (head_dim {info.head_dim}: "
                                 f"{supported_m_text(info.head_dim)})")

@@ -62,6 +62,13 @@ def layer_runs(ids) -> str:
     return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
 
 
+def layers_of_m(m_v_layers, other_than=None) -> dict[int, str]:
+    """{Mv: its layers as layer_runs text} for each V width in ``m_v_layers`` (one per
+    layer) other than ``other_than``, the widest first."""
+    return {m: layer_runs(i for i, x in enumerate(m_v_layers) if x == m)
+            for m in sorted(set(m_v_layers) - {other_than}, reverse=True)}
+
+
 def layers_words(runs: str) -> str:
     """'layer 4' or 'layers 2-3,7' (layer_runs' text)."""
     return ("layers " if any(c in runs for c in ",-") else "layer ") + runs
@@ -73,8 +80,8 @@ def default_codebook_path(model_dir: str, m_k: int, m_v: int | None = None,
     names the layers whose V differs from ``m_v`` (``m_v_layers``: each layer's)."""
     # In a subfolder: vLLM loads every top-level *.safetensors of a model as weights.
     v = "" if m_v in (None, m_k) else f"_v{m_v}"
-    for mv in sorted(set(m_v_layers or ()) - {m_v or m_k}, reverse=True):
-        v += f"_v{mv}l" + layer_runs(i for i, x in enumerate(m_v_layers) if x == mv)
+    for mv, runs in layers_of_m(m_v_layers or (), m_v or m_k).items():
+        v += f"_v{mv}l{runs}"
     return os.path.join(model_dir, "pq", f"codebooks_m{m_k}{v}.safetensors")
 
 

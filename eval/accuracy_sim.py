@@ -83,6 +83,13 @@ CONFIGS = {  # name -> (Method, keys quantized before RoPE)
     "default_v_o0.5": (replace(Method(), v_gamma=0.5), False),
     "default_v_o1": (replace(Method(), v_gamma=1.0), False),
     "default_v_o0.5_nomass": (replace(Method(), v_gamma=0.5, v_alpha=0), False),
+    # calibrate's default at the bits (a dict: fields over default_method's)
+    "fisher_k0.5": ({"k_fisher": 0.5}, False),
+    "fisher_k1": ({"k_fisher": 1.0}, False),
+    "fisher_v0.5": ({"v_fisher": 0.5}, False),
+    "fisher_v1": ({"v_fisher": 1.0}, False),
+    "fisher_kv0.5": ({"k_fisher": 0.5, "v_fisher": 0.5}, False),
+    "fisher_kv1": ({"k_fisher": 1.0, "v_fisher": 1.0}, False),
 }
 
 
@@ -320,8 +327,9 @@ def main() -> int:
     total = sum(map(len, seqs))
     t0 = time.time()
     need_pre = any(CONFIGS[c][1] for c in a.configs)
+    fisher = any(isinstance(CONFIGS[c][0], dict) for c in a.configs)
     stats = calibrate.capture(model, tok, seqs, min(1.0, a.samples / total), 0, max(a.windows),
-                              dev, pre_rope=need_pre) if a.configs else None
+                              dev, pre_rope=need_pre, fisher=fisher) if a.configs else None
     capture_s = time.time() - t0
 
     sim = Sim()
@@ -424,6 +432,8 @@ def main() -> int:
             method, pre = CONFIGS[cname]
             if cname == "default":  # what calibrate does at these bits
                 method = calibrate.default_method(bv)
+            elif isinstance(method, dict):
+                method = replace(calibrate.default_method(bv), **method)
             method = replace(method, niter=a.niter)
             t1 = time.time()
             if pre:  # keys before RoPE, RoPE pairs side by side in a subspace

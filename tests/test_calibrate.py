@@ -173,10 +173,54 @@ def test_calibrate_v_bits_by_layer(tmp_path, capsys):
     assert codebooks.read_info(str(tmp_path / "u.safetensors")).m_v == 16
 
 
+def test_calibrate_chooses_v_bits_by_cost(tmp_path, capsys):
+    """--bits-v-mean 2.5: each layer's V is trained at 4, 2 and 1 bits, its cost to the loss
+    measured through a backward pass, and the cheapest choice for the mean written, with
+    the costs, as a file whose layers' bits are what the allocation picked."""
+    from vllm_pq_backend.calibrate import allocate_bits
+
+    model = tiny_model(tmp_path / "model")
+    (tmp_path / "a.txt").write_text("the lazy dog jumps over the quick brown fox " * 80)
+    out = tmp_path / "auto.safetensors"
+    assert main(["--model", model, "--text", str(tmp_path / "a.txt"), "--bits-v-mean", "2.5",
+                 "--tokens", "1000", "--samples", "600", "--seq-len", "256", "--niter", "2",
+                 "--device", "cpu", "--dtype", "float32", "--out", str(out)]) == 0
+    info = codebooks.read_info(str(out))
+    codebooks.validate(info, hf_config(model), None, None, model)
+    cal = codebooks.calibration_of(info)
+    costs = [{float(b): c for b, c in layer.items()} for layer in cal["v_cost"]]
+    assert cal["bits_v_mean"] == 2.5 and [sorted(c) for c in costs] == [[1.0, 2.0, 4.0]] * 2
+    assert all(c > 0 for layer in costs for c in layer.values())
+    bits = [info.m_v_layers[i] * 8 / 32 for i in range(2)]
+    assert bits == allocate_bits(costs, 2.5) and sum(bits) / 2 <= 2.5
+    assert "V's bits chosen by cost: K 4 / V " in capsys.readouterr().out
+
+
+def test_allocate_bits_is_the_cheapest_choice_for_the_mean():
+    """The knapsack against every choice, on random costs (layers x widths 1, 2, 4)."""
+    import itertools
+
+    from vllm_pq_backend.calibrate import allocate_bits
+
+    g = torch.Generator().manual_seed(0)
+    for mean in (1.0, 1.5, 2.0, 2.4, 3.0, 4.0):
+        costs = [dict(zip((1.0, 2.0, 4.0), sorted(torch.rand(3, generator=g).tolist(), reverse=True)))
+                 for _ in range(5)]
+        best = min((sum(c[b] for c, b in zip(costs, pick)), pick)
+                   for pick in itertools.product((1.0, 2.0, 4.0), repeat=5)
+                   if sum(pick) <= mean * 5 + 1e-9)
+        got = allocate_bits(costs, mean)
+        assert sum(got) <= mean * 5 + 1e-9
+        assert abs(sum(c[b] for c, b in zip(costs, got)) - best[0]) < 1e-12, (mean, got, best)
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--bits-v-layers", "4@2"], "--bits-v-layers 4@2: the model has 2 layers, 0 to 1"),
     (["--bits-v-layers", "3@0"], "'3@0': give BITS@LAYERS with BITS one of [1, 2, 4]"),
     (["--bits-v-layers", "4@1-0"], "'4@1-0': give BITS@LAYERS"),
+    (["--bits-v-mean", "5"], "--bits-v-mean 5: with --bits 4 V can have 1, 2, 4 bits per "
+                             "layer, so a mean from 1 to 4"),
+    (["--bits-v-mean", "2", "--bits-v", "2"], "--bits-v-mean chooses V's bits in every layer"),
     (["--bits", "2", "--bits-v-layers", "4@1"], "--bits 2 asks for K 2 / V 4 bits per element "
                                                 "(Mk=8, Mv=16) in some layers (--bits-v-layers), "
                                                 "which is not built"),
@@ -356,6 +400,113 @@ def test_capture_reproduces_the_models_attention(make):
     err = (got - want).abs().amax() / want.abs().amax()
     assert err < 1e-4, err
     assert all(len(st.k) == 1 for st in cap.layers)  # both layers recorded
+
+
+def _coded_split_attention(window, grads):
+    """Eager attention in which every read of key j by query i through codes (as KVCapture
+    decides them: ``j < window_start(i)``, BOS aside) goes through ``k + zk`` and ``v + zv``,
+    zeros kept in ``grads`` per layer: their gradients are d loss / d K, V through coded
+    reads, by autograd."""
+    from vllm_pq_backend.layout import window_start
+
+    def attn(module, query, key, value, attention_mask, scaling=None, sliding_window=None,
+             softcap=None, **kw):
+        hq, t = query.shape[1], query.shape[2]
+        g = hq // key.shape[1]
+        zk, zv = (torch.zeros_like(x, requires_grad=True) for x in (key, value))
+        grads[module.layer_idx] = (zk, zv)
+        rep = lambda x: x[0].repeat_interleave(g, 0)  # noqa: E731
+        pos = torch.arange(t)
+        causal = pos.view(1, -1) <= pos.view(-1, 1)
+        if sliding_window:
+            causal &= pos.view(1, -1) > pos.view(-1, 1) - sliding_window
+        coded = pos.view(1, -1) < window_start(pos, window).view(-1, 1)
+        coded[:, 0] = False
+        q = query[0]
+        s = torch.where(coded, q @ rep(key + zk).transpose(1, 2), q @ rep(key).transpose(1, 2))
+        s = (s * scaling).masked_fill(~causal, float("-inf"))
+        if kw.get("s_aux") is not None:
+            sinks = kw["s_aux"].view(hq, 1, 1).expand(-1, t, 1)
+            p = torch.cat([s, sinks], -1).softmax(-1)[..., :-1]
+        else:
+            p = s.softmax(-1)
+        out = (p * ~coded) @ rep(value) + (p * coded) @ rep(value + zv)
+        return out.transpose(0, 1)[None], None
+
+    return attn
+
+
+@pytest.mark.parametrize("make", [tiny_gemma3, tiny_gpt_oss])
+def test_fisher_capture_gives_the_gradients_of_coded_reads(make):
+    """capture(fisher=True) backpropagates each sequence's loss through KVCapture's own
+    backward (blockwise, probabilities recomputed): on a tiny Gemma 3 and gpt-oss (sliding
+    window, learned sinks) the input gradient equals eager attention's under autograd, and
+    the recorded rows equal d loss / d K and d loss / d V through coded reads only, per
+    row, in every layer."""
+    from transformers import AttentionInterface
+
+    from vllm_pq_backend.calibrate import KVCapture, _loss_backward
+
+    model = make().float().requires_grad_(False)
+    t, window = 40, 16
+    ids = torch.randint(3, 300, (1, t))
+    grads = {}
+    AttentionInterface.register("coded_split", _coded_split_attention(window, grads))
+    model.config._attn_implementation = "coded_split"
+    emb = model.get_input_embeddings()(ids).detach().requires_grad_()
+    logits = model(inputs_embeds=emb).logits[0].float()
+    torch.nn.functional.cross_entropy(logits[:-1], ids[0, 1:], reduction="sum").backward()
+
+    cap = KVCapture(2, keep_fraction=0.5, seed=0, window=window, fisher=True)
+    cap.query_block = 7
+    AttentionInterface.register(KVCapture.NAME, cap)
+    model.config._attn_implementation = KVCapture.NAME
+    with torch.no_grad():
+        cap.new_sequence(1, sink_pass=True)
+        model(ids[:, :1])
+    cap.new_sequence(t)
+    seen = []  # the leaf _loss_backward starts the graph from
+    model.get_decoder().register_forward_pre_hook(
+        lambda mod, args, kwargs: seen.append(kwargs["inputs_embeds"]), with_kwargs=True)
+    with torch.enable_grad():
+        _loss_backward(model, ids)
+    got = seen[0].grad
+    assert ((got - emb.grad).abs() <= 1e-5 * emb.grad.abs().amax()).all()
+    for i, st in enumerate(cap.layers):
+        for name, z in zip(("gk", "gv"), grads[i]):
+            want = z.grad[0][:, cap.rows].transpose(0, 1)  # [n, H, d]
+            row = want.flatten(1).abs().amax(1).view(-1, 1, 1)
+            assert want.abs().amax() > 0
+            assert ((st.rows(name) - want).abs() <= 1e-4 * row + 1e-9).all(), (i, name)
+
+
+def test_fisher_weights_lower_the_loss_weighted_error():
+    """k_fisher > 0 trains K's k-means with each row weighted per subspace by its squared
+    gradient (mapped into the trained space): when a few rows carry most of the gradient,
+    their error, and so the error the loss sees (sum of (g . e)^2), drops against the
+    mass-weighted default."""
+    from vllm_pq_backend.calibrate import LayerStats, Method, train_layer
+    from vllm_pq_backend.reference import decode_codes, encode
+
+    g = torch.Generator().manual_seed(0)
+    n, d = 8192, 8
+    k = torch.randn(n, 1, d, generator=g)
+    grad = torch.randn(n, 1, d, generator=g) * 1e-3
+    grad[: n // 16] *= 100  # a few rows the loss cares about
+    st = LayerStats(k=[k.half()], v=[k.half()], mass=[torch.ones(n, 1)],
+                    qa=torch.eye(d).double().view(1, d, d), gk=[grad], gv=[grad])
+    err = {}
+    for name, method in {"mass": Method(niter=10), "fisher": Method(k_fisher=1, niter=10)}.items():
+        b = train_layer(st, 4, 4, method, 0, "cpu")
+        t = b["k_transform"]
+        kt = torch.einsum("nhd,hde->nhe", k.float(), t)
+        rec = torch.einsum("nhe,hed->nhd", decode_codes(encode(kt, b["k"]), b["k"]),
+                           torch.linalg.inv(t))
+        err[name] = float(((k.half().float() - rec) * grad).sum(-1).square().sum())
+    assert err["fisher"] < 0.8 * err["mass"], err
+    with pytest.raises(ValueError, match="fisher"):  # CalibrationError, no gradients kept
+        train_layer(LayerStats(k=st.k, v=st.v, mass=st.mass, qa=st.qa), 4, 4,
+                    Method(v_fisher=1), 0, "cpu")
 
 
 def test_capture_in_query_blocks_gives_the_same_statistics():

@@ -49,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-from .codebooks import (codebook_path_hint, describe_layers_m, describe_m,
+from .codebooks import (base_m_v, codebook_path_hint, describe_layers_m, describe_m,
                         head_dim_of, reserve_nan_code, save_codebooks, supported_m_text)
 from .config import (DEFAULT_BLOCK_SIZE, default_codebook_path, default_window, layer_runs,
                      layers_of_m, parse_layers)
@@ -303,12 +303,90 @@ class LayerStats:
     qa: torch.Tensor | None = None  # [H, d, d] float64
     og: torch.Tensor | None = None  # [H, d, d] o_proj metric: sum over the group of W^T W
     sink: tuple | None = None  # (k [H, d], v [H, d]) of the BOS token at position 0
+    gk: list = field(default_factory=list)  # [n, H, d] fp32: d loss / d k through coded reads
+    gv: list = field(default_factory=list)  # (capture(fisher=True) only)
 
     def rows(self, name: str) -> torch.Tensor:
         return torch.cat(getattr(self, name)).float()
 
 
 QUERY_BLOCK = 2048  # queries per attention block in KVCapture
+
+
+class _Blocks:
+    """A sequence's queries in blocks, and what a block of queries sees: the attention
+    probabilities (causal, the layer's sliding window if any, as transformers and vLLM: key
+    j > i - sliding_window; learned sink logits in the softmax) and which keys it reads
+    through codes (``j < window_start(i)``, position 0 not when the sink is pinned)."""
+
+    def __init__(self, t, block, scale, sliding_window, learned_sinks, window, pinned, device):
+        self.t, self.block, self.scale = t, block, scale
+        self.sliding_window, self.learned_sinks = sliding_window, learned_sinks
+        self.window, self.pinned = window, pinned
+        self.pos = torch.arange(t, device=device)
+
+    def __iter__(self):
+        return ((lo, min(lo + self.block, self.t)) for lo in range(0, self.t, self.block))
+
+    def probs(self, qb, kr, lo, hi):
+        i = self.pos[lo:hi].view(-1, 1)
+        causal = self.pos.view(1, -1) <= i
+        if self.sliding_window:
+            causal &= self.pos.view(1, -1) > i - self.sliding_window
+        p = (qb @ kr.transpose(1, 2) * self.scale).masked_fill(~causal, float("-inf"))
+        if self.learned_sinks is None:
+            return p.softmax(-1)
+        # a column that takes mass and gives no value
+        sinks = self.learned_sinks.expand(-1, hi - lo, 1)
+        return torch.cat([p, sinks], -1).softmax(-1)[..., :-1]
+
+    def coded(self, lo, hi):
+        coded = self.pos.view(1, -1) < window_start(self.pos[lo:hi], self.window).view(-1, 1)
+        if self.pinned:
+            coded[:, 0] = False
+        return coded
+
+
+class _CodedReads(torch.autograd.Function):
+    """The capture's attention output, differentiable: backward recomputes the
+    probabilities a block of queries at a time (memory as the forward's) and, besides the
+    gradients of q, k and v, records the part of d loss / d k and d loss / d v that comes
+    through reads as codes, for the sampled rows: what an error of that key or value
+    costs the loss where serving reads it from codes (Fisher weights, Method.k_fisher)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, out, blocks, st, rows):
+        ctx.save_for_backward(query, key, value, out)
+        ctx.blocks, ctx.st, ctx.rows = blocks, st, rows
+        return out.clone()
+
+    @staticmethod
+    def backward(ctx, dout):
+        query, key, value, out = ctx.saved_tensors
+        b = ctx.blocks
+        hq, hkv = query.shape[1], key.shape[1]
+        g = hq // hkv
+        q, k, v = query[0].float(), key[0].float(), value[0].float()
+        kr, vr = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)
+        dout = dout.float()
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(kr), torch.zeros_like(vr)
+        gk, gv = torch.zeros_like(kr), torch.zeros_like(vr)
+        for lo, hi in b:
+            qb, dob = q[:, lo:hi], dout[:, lo:hi]
+            p = b.probs(qb, kr, lo, hi)
+            delta = (dob * out[:, lo:hi]).sum(-1, keepdim=True)  # sum_j p_j dP_j
+            ds = p * (dob @ vr.transpose(1, 2) - delta) * b.scale
+            dq[:, lo:hi] = ds @ kr
+            dk += ds.transpose(1, 2) @ qb
+            dv += p.transpose(1, 2) @ dob
+            coded = b.coded(lo, hi)
+            gk += (ds * coded).transpose(1, 2) @ qb
+            gv += (p * coded).transpose(1, 2) @ dob
+        per_kv = lambda x: x.view(hkv, g, *x.shape[1:]).sum(1)  # noqa: E731
+        for name, x in (("gk", gk), ("gv", gv)):
+            getattr(ctx.st, name).append(per_kv(x)[:, ctx.rows].transpose(0, 1).cpu())
+        return (dq[None].to(query.dtype), per_kv(dk)[None].to(key.dtype),
+                per_kv(dv)[None].to(value.dtype), None, None, None, None)
 
 
 class KVCapture:
@@ -322,8 +400,9 @@ class KVCapture:
     NAME = "pq_capture"
 
     def __init__(self, num_layers: int, keep_fraction: float, seed: int, window: int,
-                 pre_rope: bool = False):
+                 pre_rope: bool = False, fisher: bool = False):
         self.layers = [LayerStats() for _ in range(num_layers)]
+        self.fisher = fisher  # record d loss / d K, V through coded reads in backward
         self.keep = keep_fraction
         self.gen = torch.Generator().manual_seed(seed)
         self.window = window
@@ -349,52 +428,45 @@ class KVCapture:
         st = self.layers[module.layer_idx]
         hq, hkv, t, d = query.shape[1], key.shape[1], key.shape[2], key.shape[-1]
         g = hq // hkv
-        q, k, v = query[0].float(), key[0].float(), value[0].float()  # [H, T, d]
+        # detached: the statistics build no graph; with fisher, _CodedReads is the gradient
+        q, k, v = (x[0].detach().float() for x in (query, key, value))  # [H, T, d]
         kr, vr = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)
         scale = scaling if scaling is not None else d**-0.5
         # gpt-oss's learned per-head sink logits (transformers passes them as s_aux): they
         # join every row's softmax denominator, so the mass each key receives, and the
         # output the next layers see, are the served model's
         s_aux = kwargs.get("s_aux")
-        learned_sinks = None if s_aux is None else s_aux.float().view(hq, 1, 1)
-        pos = torch.arange(t, device=q.device)
+        learned_sinks = None if s_aux is None else s_aux.detach().float().view(hq, 1, 1)
+        blocks = _Blocks(t, self.query_block, scale, sliding_window, learned_sinks,
+                         self.window, pinned=st.sink is not None, device=q.device)
         out = torch.empty_like(q)  # [Hq, T, d]
         mass = torch.zeros(hq, t, device=q.device)  # attention each key received as codes
         qa = torch.zeros(hq, d, d, device=q.device)
         # queries in blocks, so that memory grows with T x block, not T^2: long sequences
         # (--seq-len up to the model's context) calibrate in bounded memory
-        for lo in range(0, t, self.query_block):
-            i = pos[lo : lo + self.query_block].view(-1, 1)
-            causal = pos.view(1, -1) <= i
-            if sliding_window:
-                causal &= pos.view(1, -1) > i - sliding_window
-            qb = q[:, lo : lo + len(i)]
-            p = (qb @ kr.transpose(1, 2) * scale).masked_fill(~causal, float("-inf"))
-            if learned_sinks is not None:  # a column that takes mass and gives no value
-                p = torch.cat([p, learned_sinks.expand(-1, len(i), 1)], -1).softmax(-1)[..., :-1]
-            else:
-                p = p.softmax(-1)
-            out[:, lo : lo + len(i)] = p @ vr
+        for lo, hi in blocks:
+            qb = q[:, lo:hi]
+            p = blocks.probs(qb, kr, lo, hi)
+            out[:, lo:hi] = p @ vr
             if self.sink_pass:
                 continue
-            coded = pos.view(1, -1) < window_start(i.view(-1), self.window).view(-1, 1)
-            if st.sink is not None:
-                coded[:, 0] = False
-            pc = p * coded
+            pc = p * blocks.coded(lo, hi)
             mass += pc.sum(1)
             share = pc.sum(2)  # [Hq, b] each query's attention to coded keys
             qa += torch.einsum("hi,hid,hie->hde", share, qb, qb)
-        out = out.transpose(0, 1)[None].to(query.dtype)  # [1, T, Hq, d]
         if self.sink_pass:
             st.sink = (k[:, 0].cpu(), v[:, 0].cpu())
-            return out, None
+            return out.transpose(0, 1)[None].to(query.dtype), None
+        rows = self.rows.to(q.device)
+        if self.fisher and torch.is_grad_enabled():
+            out = _CodedReads.apply(query, key, value, out, blocks, st, rows)
+        out = out.transpose(0, 1)[None].to(query.dtype)  # [1, T, Hq, d]
         mass = mass.view(hkv, g, t).sum(1)  # [Hkv, T]
         qa = qa.view(hkv, g, d, d).sum(1)
         st.qa = qa.double().cpu() if st.qa is None else st.qa + qa.double().cpu()
         if st.og is None and hasattr(module, "o_proj"):
             w = module.o_proj.weight.float().view(-1, hkv, g, d)  # [hidden, Hkv, g, d]
             st.og = torch.einsum("okgd,okge->kde", w, w).double().cpu()
-        rows = self.rows.to(q.device)
         st.k.append(k[:, rows].transpose(0, 1).to("cpu", torch.float16))
         st.v.append(v[:, rows].transpose(0, 1).to("cpu", torch.float16))
         st.mass.append(mass[:, rows].T.cpu())
@@ -405,13 +477,45 @@ class KVCapture:
         return out, None
 
 
+LOSS_CHUNK = 1024  # positions whose logits exist at once in _loss_backward
+
+
+def _loss_backward(model, ids: torch.Tensor) -> None:
+    """Backpropagate the sequence's next-token loss (summed) to its K and V, for
+    KVCapture's Fisher rows. The logits are made a chunk of positions at a time and
+    recomputed in backward (a 32K-token sequence of a 262K-word vocabulary would
+    otherwise hold tens of GB of them)."""
+    from torch.utils.checkpoint import checkpoint
+
+    emb = model.get_input_embeddings()(ids).detach().requires_grad_()  # a graph to the start
+    hidden = model.get_decoder()(inputs_embeds=emb).last_hidden_state[0]
+    head, cap = model.get_output_embeddings(), getattr(model.config.get_text_config(),
+                                                       "final_logit_softcapping", None)
+
+    def chunk_loss(h, target):
+        logits = head(h).float()
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return torch.nn.functional.cross_entropy(logits, target, reduction="sum")
+
+    n = ids.shape[1] - 1
+    loss = sum(checkpoint(chunk_loss, hidden[a : min(a + LOSS_CHUNK, n)],
+                          ids[0, a + 1 : min(a + LOSS_CHUNK, n) + 1], use_reentrant=False)
+               for a in range(0, n, LOSS_CHUNK))
+    loss.backward()
+
+
 def capture(model, tok, seqs, keep_fraction: float, seed: int, window: int, device,
-            pre_rope: bool = False, progress: bool = True) -> list[LayerStats]:
-    """Run the model over ``seqs`` and return the statistics of every layer."""
+            pre_rope: bool = False, progress: bool = True,
+            fisher: bool = False) -> list[LayerStats]:
+    """Run the model over ``seqs`` and return the statistics of every layer; ``fisher``:
+    also backpropagate each sequence's loss and keep the sampled rows' gradients through
+    coded reads (LayerStats.gk, .gv)."""
     from tqdm import tqdm
     from transformers import AttentionInterface
 
-    cap = KVCapture(model.config.num_hidden_layers, keep_fraction, seed, window, pre_rope)
+    cap = KVCapture(model.config.num_hidden_layers, keep_fraction, seed, window, pre_rope,
+                    fisher)
     AttentionInterface.register(KVCapture.NAME, cap)
     model.config._attn_implementation = KVCapture.NAME
     rotary = getattr(model.model, "rotary_emb", None)
@@ -429,9 +533,17 @@ def capture(model, tok, seqs, keep_fraction: float, seed: int, window: int, devi
         if tok.bos_token_id is not None:
             cap.new_sequence(1, sink_pass=True)
             model(torch.tensor([[tok.bos_token_id]], device=device))
-        for ids in tqdm(seqs, desc="forward passes", unit="seq", disable=not progress):
-            cap.new_sequence(len(ids), rope(len(ids)))
-            model(torch.tensor([ids], device=device))
+    model.requires_grad_(False)
+    for ids in tqdm(seqs, desc="forward and backward passes" if fisher else "forward passes",
+                    unit="seq", disable=not progress):
+        cap.new_sequence(len(ids), rope(len(ids)))
+        x = torch.tensor([ids], device=device)
+        if fisher:
+            with torch.enable_grad():
+                _loss_backward(model, x)
+        else:
+            with torch.inference_mode():
+                model(x)
     return cap.layers
 
 
@@ -447,7 +559,15 @@ class Method:
     # default_method for the default at 2 bits and fewer
     v_rotate: bool = True
     v_alpha: float = 0.5  # V tokens weighted by attention mass ** alpha
+    # > 0: tokens weighted per subspace by their Fisher information ** this instead of mass
+    # (the squared gradient of the loss through coded reads, as CQ weights its k-means)
+    k_fisher: float = 0.0
+    v_fisher: float = 0.0
     niter: int = 25
+
+    @property
+    def fisher(self) -> bool:
+        return self.k_fisher > 0 or self.v_fisher > 0
 
 
 # V at <= 2 bits per element trains in the o_proj metric: in vLLM it took 0.07-0.18 points
@@ -491,12 +611,23 @@ def balanced_axes(x: torch.Tensor, m: int) -> torch.Tensor:
 
 
 def _weights(mass: torch.Tensor, alpha: float) -> torch.Tensor | None:
-    """``mass [n, H]`` -> k-means weights ``[H, n]``; tokens no query read as codes keep a
-    small weight (longer contexts than the calibration's will read them)."""
+    """``mass [n, H]`` (or ``[n, H, m]``, per subspace) -> k-means weights ``[H, n]`` (or
+    ``[H, m, n]``); tokens no query read as codes keep a small weight (longer contexts than
+    the calibration's will read them)."""
     if alpha == 0:
         return None
     w = (mass + 0.05 * mass.mean(0, keepdim=True)).clamp_min(1e-12) ** alpha
-    return (w / w.mean(0, keepdim=True)).T
+    return torch.movedim(w / w.mean(0, keepdim=True), 0, -1)
+
+
+def _fisher(grad: torch.Tensor, transform: torch.Tensor | None, m: int) -> torch.Tensor:
+    """Fisher information of each row per subspace of the trained space, ``[n, H, m]``:
+    the squared gradient ``grad [n, H, d]`` mapped as rows are (x' = x T, so the
+    gradient by x' is g T^-T), summed over each subspace's dimensions."""
+    g = grad if transform is None else torch.einsum(
+        "nhd,hed->nhe", grad, torch.linalg.inv(transform.double()).to(grad))
+    n, h, d = g.shape
+    return g.square().view(n, h, m, d // m).sum(-1)
 
 
 def _pin(cents: torch.Tensor, x: torch.Tensor) -> None:
@@ -527,14 +658,17 @@ def train_quantizer(x, m, weights, transform, niter, seed, sink=None):
     if transform is not None:
         x = torch.einsum("nhd,hde->nhe", x, transform.to(x))
     xs = x.view(n, h, m, ds).permute(1, 2, 0, 3).contiguous()  # [H, m, n, ds]
-    w = None if weights is None else weights.to(x)  # [H, n]
+    w = None if weights is None else weights.to(x)  # [H, n], or [H, m, n] per subspace
+    if w is not None and w.dim() == 2:
+        w = w.unsqueeze(1).expand(h, m, n)
     cents = x.new_empty(h, m, NUM_CENTROIDS, ds)
     err = x.new_empty(h, m)
     free = [c for c in range(NUM_CENTROIDS) if c != NAN_CODE]
-    cents[:, 0, free], err[:, 0] = kmeans(xs[:, 0], w, NUM_CENTROIDS - 1, niter, seed)
+    cents[:, 0, free], err[:, 0] = kmeans(xs[:, 0], None if w is None else w[:, 0],
+                                          NUM_CENTROIDS - 1, niter, seed)
     if m > 1:
         c, e = kmeans(xs[:, 1:].reshape(h * (m - 1), n, ds),
-                      None if w is None else w.repeat_interleave(m - 1, 0),
+                      None if w is None else w[:, 1:].reshape(h * (m - 1), n),
                       NUM_CENTROIDS, niter, seed + 1)
         cents[:, 1:], err[:, 1:] = c.view(h, m - 1, NUM_CENTROIDS, ds), e.view(h, m - 1)
     if sink is not None:
@@ -557,17 +691,69 @@ def _map(x, metric, gamma: float, rotate: bool, m: int, device):
     return t
 
 
+def _train_part(st: LayerStats, part: str, m: int, method: Method, seed: int, device):
+    """K's (``part`` "k") or V's ("v") codebook of one layer: (centroids, transform or
+    None, relative error per head)."""
+    x = st.rows(part).to(device)
+    metric, gamma, rotate, alpha, fisher = (
+        (st.qa, method.k_gamma, method.k_rotate, method.k_alpha, method.k_fisher) if part == "k"
+        else (st.og, method.v_gamma, method.v_rotate, method.v_alpha, method.v_fisher))
+    t = _map(x, metric, gamma, rotate, m, device)
+    if not fisher:
+        w = _weights(st.rows("mass").to(device), alpha)
+    elif getattr(st, "g" + part):
+        w = _weights(_fisher(st.rows("g" + part).to(device), t, m), fisher)
+    else:
+        raise CalibrationError(f"Method {part}_fisher needs capture(fisher=True)")
+    sink = None if st.sink is None else st.sink[part == "v"]
+    cents, err = train_quantizer(x, m, w, t, method.niter, seed + (part == "v"), sink)
+    return cents, t, err
+
+
 def train_layer(st: LayerStats, m_k: int, m_v: int, method: Method, seed: int, device):
     """Codebooks and maps of one layer: dict of k/v centroids, k/v transforms (or None),
     relative errors."""
-    k, v = st.rows("k").to(device), st.rows("v").to(device)
-    mass = st.rows("mass").to(device)
-    sk, sv = st.sink if st.sink is not None else (None, None)
-    tk = _map(k, st.qa, method.k_gamma, method.k_rotate, m_k, device)
-    tv = _map(v, st.og, method.v_gamma, method.v_rotate, m_v, device)
-    kc, ek = train_quantizer(k, m_k, _weights(mass, method.k_alpha), tk, method.niter, seed, sk)
-    vc, ev = train_quantizer(v, m_v, _weights(mass, method.v_alpha), tv, method.niter, seed + 1, sv)
+    kc, tk, ek = _train_part(st, "k", m_k, method, seed, device)
+    vc, tv, ev = _train_part(st, "v", m_v, method, seed, device)
     return dict(k=kc, v=vc, k_transform=tk, v_transform=tv, err_k=ek, err_v=ev)
+
+
+def v_cost(st: LayerStats, m_v: int, method: Method, seed: int, device) -> float:
+    """What coding this layer's V with ``m_v`` subspaces costs the loss, to second order
+    with the empirical Fisher: the sum over the sampled rows of ``(g . e)^2``, g the
+    row's gradient through coded reads (capture(fisher=True)), e its coding error."""
+    from .reference import decode_codes, encode
+
+    if not st.gv:
+        raise CalibrationError("V's cost by layer needs capture(fisher=True)")
+    cents, t, _ = _train_part(st, "v", m_v, method, seed, device)
+    v, g = st.rows("v").to(device), st.rows("gv").to(device)
+    vt = v if t is None else torch.einsum("nhd,hde->nhe", v, t)
+    rec = decode_codes(encode(vt, cents), cents)
+    if t is not None:
+        rec = torch.einsum("nhe,hed->nhd", rec, torch.linalg.inv(t.double()).to(rec))
+    return float(((v - rec) * g).sum(-1).double().square().sum())
+
+
+def allocate_bits(costs: list[dict[float, float]], mean: float) -> list[float]:
+    """Each layer's bits (a key of its ``costs``, bits -> cost) so that their mean is at
+    most ``mean`` and the summed cost is least: an exact knapsack over the total bits, in
+    eighths of a bit (every width is a multiple of 8/head_dim, at least 1/8 for the
+    head sizes served)."""
+    unit = 8
+    budget = int(mean * len(costs) * unit + 1e-6)
+    best = {0: (0.0, [])}  # total units -> (cost, choices)
+    for layer in costs:
+        step = {}
+        for used, (cost, picks) in best.items():
+            for bits, c in layer.items():
+                u = used + round(bits * unit)
+                if u <= budget and (u not in step or cost + c < step[u][0]):
+                    step[u] = (cost + c, picks + [bits])
+        best = step
+    if not best:
+        raise CalibrationError(f"no choice of bits per layer has a mean of {mean} or less")
+    return min(best.values(), key=lambda x: x[0])[1]
 
 
 def train(stats: list[LayerStats], m_k: int, m_v, method, seed: int, device,
@@ -628,6 +814,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="other bits per element of V in some layers, e.g. 4@18-23 1@0-11: "
                         "spend V's bits where the model needs them (docs/results.md); the "
                         "file averages its layers' bits")
+    p.add_argument("--bits-v-mean", type=float, default=None, metavar="BITS",
+                   help="let calibration choose each layer's V bits (those built beside K's: "
+                        "4, 2 and 1 with K at 4) for a mean of at most BITS, by what each "
+                        "costs the loss (one backward pass per sequence): e.g. --bits 4 "
+                        "--bits-v-mean 2 for 3 bits per element on average")
     p.add_argument("--m", type=int, default=None,
                    help="K subspaces per head instead of --bits (head_dim/2 is 4 bits)")
     p.add_argument("--m-v", type=int, default=None,
@@ -713,6 +904,10 @@ def _check_args(parser, args) -> None:
         if getattr(args, name) < NUM_CENTROIDS:
             parser.error(f"--{name} must be at least {NUM_CENTROIDS} (k-means trains "
                          f"{NUM_CENTROIDS} centroids per subspace), got {getattr(args, name)}")
+    if args.bits_v_mean is not None and (args.bits_v is not None or args.m_v is not None
+                                         or args.bits_v_layers):
+        parser.error("--bits-v-mean chooses V's bits in every layer: drop --bits-v, --m-v "
+                     "and --bits-v-layers")
     if args.window is not None and args.window < 0:
         parser.error(f"--window must be >= 0, got {args.window}")
     try:
@@ -749,6 +944,13 @@ def _subspaces(parser, args, head_dim: int, num_layers: int) -> tuple[int, int, 
                          f"{num_layers} layers, 0 to {num_layers - 1}")
         for i in layers:
             m_vs[i] = subspaces(head_dim, bits)
+    if args.bits_v_mean is not None:
+        widths = v_widths(head_dim, m)
+        lo, hi = bits_of(head_dim, widths[0]), bits_of(head_dim, widths[-1])
+        if not lo <= args.bits_v_mean <= hi:
+            parser.error(f"--bits-v-mean {args.bits_v_mean:g}: with {given[0]} V can have "
+                         f"{', '.join(f'{bits_of(head_dim, w):g}' for w in widths)} bits "
+                         f"per layer, so a mean from {lo:g} to {hi:g}")
     for mv in sorted(set(m_vs)):
         if (m, mv) not in supported_m(head_dim):
             parser.error(f"{' '.join(given)} asks for {describe_m(head_dim, m, mv)}"
@@ -756,6 +958,26 @@ def _subspaces(parser, args, head_dim: int, num_layers: int) -> tuple[int, int, 
                          + f", which is not built; head_dim {head_dim} supports "
                          f"{supported_m_text(head_dim)}")
     return m, m_vs[0] if len(set(m_vs)) == 1 else m_v, m_vs
+
+
+def v_widths(head_dim: int, m_k: int) -> list[int]:
+    """V's subspace counts the kernels are built for beside K's ``m_k``, fewest first."""
+    return sorted(mv for mk, mv in supported_m(head_dim) if mk == m_k)
+
+
+def choose_v_bits(stats, d: int, m_k: int, mean: float, method_at, seed: int, device,
+                  progress: bool = True) -> tuple[list[int], list[dict]]:
+    """Each layer's V subspaces for ``--bits-v-mean``: V trained at every width built
+    beside K's, its cost to the loss measured (v_cost), the cheapest choice for the mean
+    (allocate_bits). Returns the layers' Mv and their costs, by bits."""
+    from tqdm import tqdm
+
+    widths = v_widths(d, m_k)
+    costs = [{bits_of(d, mv): v_cost(st, mv, method_at(mv), seed, device) for mv in widths}
+             for st in tqdm(stats, desc="V's cost by layer and bits", unit="layer",
+                            disable=not progress)]
+    bits = allocate_bits(costs, mean)
+    return [subspaces(d, b) for b in bits], costs
 
 
 def cpu_warning(params: int, tokens: int) -> str:
@@ -838,7 +1060,6 @@ def _run(args, parser) -> int:
         raise CalibrationError(f"--model {args.model}: its config.json is not a transformers "
                                f"model config ({_first_line(e)})") from None
     m, m_v, m_vs = _subspaces(parser, args, d, hf.get_text_config().num_hidden_layers)
-    out = args.out or default_codebook_path(args.model, m, m_v, m_vs)
     overrides = _overrides(parser, args.method)
 
     def method_at(mv: int) -> Method:  # V's metric depends on its bits (default_method)
@@ -848,8 +1069,9 @@ def _run(args, parser) -> int:
                             niter=args.niter)
         return replace(method, **overrides)
 
-    method = method_at(m_v)
-    what = describe_layers_m(d, m, m_vs)
+    by_cost = args.bits_v_mean is not None
+    what = (f"K {bits_of(d, m):g} bits per element, V's bits by layer for a mean of "
+            f"{args.bits_v_mean:g}" if by_cost else describe_layers_m(d, m, m_vs))
 
     context = getattr(hf.get_text_config(), "max_position_embeddings", None)
     if args.window is None:  # the window serving picks for this model at its default block
@@ -886,13 +1108,23 @@ def _run(args, parser) -> int:
     if min(args.samples, total) < 39 * NUM_CENTROIDS:
         print(f"calibrate: warning: {min(args.samples, total)} samples per head is few for 256 "
               f"centroids; k-means wants at least {39 * NUM_CENTROIDS}", file=sys.stderr)
+    widths = v_widths(d, m) if by_cost else sorted(set(m_vs))
     stats = capture(model, tok, seqs, min(1.0, args.samples / total), args.seed, args.window,
-                    args.device)
+                    args.device, fisher=by_cost or any(method_at(mv).fisher for mv in widths))
     del model
     samples = int(sum(x.shape[0] for x in stats[0].k))
     if samples < NUM_CENTROIDS:  # rows kept per sequence are rounded
         raise CalibrationError(f"{samples} samples per head kept; k-means needs "
                                f"{NUM_CENTROIDS}: raise --samples")
+    costs = None
+    if by_cost:
+        m_vs, costs = choose_v_bits(stats, d, m, args.bits_v_mean, method_at, args.seed,
+                                    args.device)
+        m_v = base_m_v(m_vs)
+        what = describe_layers_m(d, m, m_vs)
+        print(f"V's bits chosen by cost: {what}", flush=True)
+    out = args.out or default_codebook_path(args.model, m, m_v, m_vs)
+    method = method_at(m_v)
     books = train(stats, m, m_vs, [method_at(mv) for mv in m_vs], args.seed, args.device)
     save_codebooks(out, books["k"], books["v"], cfg, {
         "model": os.path.abspath(args.model),
@@ -905,6 +1137,9 @@ def _run(args, parser) -> int:
         **({"bits_v_layers": {str(bits_of(d, mv)): runs for mv, runs in other.items()},
             "methods_v_layers": {str(bits_of(d, mv)): asdict(method_at(mv)) for mv in other}}
            if (other := layers_of_m(m_vs, m_v)) else {}),
+        **({"bits_v_mean": args.bits_v_mean,
+            "v_cost": [{f"{b:g}": float(f"{c:.6g}") for b, c in layer.items()} for layer in costs]}
+           if costs else {}),
         "rel_mse_k": books["rel_mse_k"], "rel_mse_v": books["rel_mse_v"],
         "seconds": round(time.time() - t0, 1),
     }, k_transform=books["k_transform"], v_transform=books["v_transform"])

@@ -33,6 +33,14 @@ precision, one idea each (what it would be worth, and where the error sits):
   first:N  positions 1 to N read exactly (BOS is already): the sink tokens of StreamingLLM,
            a choice that needs no oracle.
 
+``--allocate BITS ...`` (with --calib and uniform --codebooks files of several widths, all
+calibrated on that text) measures each layer's cost of K and of V at every width the files
+give, from one Fisher capture of --calib (calibrate.coding_cost), chooses per layer the
+pair of widths the kernels build of least summed cost for a mean of at most BITS per
+element (calibrate.allocate_bits, as calibrate --bits-v-mean does for V), and scores it with
+each layer's K and V read through the file of its widths: what K and V bits by layer would
+be worth.
+
 ``--v-from PATH@LAYERS[+PATH@LAYERS] ...`` also scores the first --codebooks file with the V
 codebooks of the named layers (``18-23``, ``12-17,24-29``) taken from the codebook file
 PATH of other V bits (several files joined by ``+``): what giving some layers more or fewer
@@ -273,6 +281,46 @@ def perplexity(model, docs, sim, device):
     return math.exp(nll.mean().item()), len(nll), buckets
 
 
+def allocate(a, stats, files, score, d, dev) -> None:
+    """--allocate: each layer's K and V cost at every width the files give
+    (calibrate.coding_cost, from the Fisher capture of --calib), then for each mean the
+    pair of widths per layer, among those the kernels build (layout.BIT_RATES), of least
+    summed cost (calibrate.allocate_bits), scored with each layer's K and V read through
+    the file of its widths."""
+    from vllm_pq_backend.layout import BIT_RATES, bits_of
+
+    parts = {"k": {}, "v": {}}  # bits -> (path, books): the first file with those bits
+    for path, (info, books) in zip(a.codebooks, files):
+        if info.m_v is None:
+            raise SystemExit(f"--allocate: {path} has V bits by layer; give uniform files")
+        parts["k"].setdefault(bits_of(d, info.m_k), (path, books))
+        parts["v"].setdefault(bits_of(d, info.m_v), (path, books))
+    pairs = [(bk, bv) for bk, bv in BIT_RATES if bk in parts["k"] and bv in parts["v"]]
+    mean_of = {(bk + bv) / 2: (bk, bv) for bk, bv in pairs}  # distinct for BIT_RATES
+    costs = [{part: {b: calibrate.coding_cost(st, part, books[part][i], books[f"{part}_transform"][i], dev)
+                     for b, (_, books) in parts[part].items()} for part in "kv"}
+             for i, st in enumerate(stats)]
+    pinned = stats[0].sink is not None
+    for mean in a.allocate:
+        chosen = calibrate.allocate_bits(
+            [{m: c["k"][bk] + c["v"][bv] for m, (bk, bv) in mean_of.items()} for c in costs], mean)
+        layers = [mean_of[m] for m in chosen]
+        mixed = {key: [] for key in ("k", "v", "k_transform", "v_transform")}
+        for i, (bk, bv) in enumerate(layers):
+            for part, b in (("k", bk), ("v", bv)):
+                books = parts[part][b][1]
+                mixed[part].append(books[part][i])
+                mixed[f"{part}_transform"].append(books[f"{part}_transform"][i])
+        params = dict(allocate=mean, layers=[list(x) for x in layers],
+                      files={f"{part}{b:g}": dict(file=os.path.abspath(path),
+                                                  codebook_sha256=codebook_meta(path)["codebook_sha256"])
+                             for part in "kv" for b, (path, _) in parts[part].items()},
+                      costs=[{part: {f"{b:g}": float(f"{x:.6g}") for b, x in c[part].items()}
+                              for part in "kv"} for c in costs])
+        score(f"allocate:{mean:g}", mixed, [b * d // 8 for b, _ in layers],
+              [b * d // 8 for _, b in layers], False, params, None, pinned)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)
@@ -291,6 +339,10 @@ def main() -> int:
     p.add_argument("--v-from", nargs="+", default=[], type=v_from_spec, metavar="PATH@LAYERS",
                    help="also score the first --codebooks file with these layers' V "
                    "codebooks from PATH (other V bits; see the docstring)")
+    p.add_argument("--allocate", type=float, nargs="+", default=[], metavar="BITS",
+                   help="also score K and V bits chosen per layer for a mean of at most BITS "
+                   "per element, among the pairs the kernels build, each layer's K and V read "
+                   "through the --codebooks file of their bits (see the docstring)")
     p.add_argument("--layer-groups", type=int, default=0,
                    help="also score with only each group of this many layers quantized")
     p.add_argument("--docs", type=int, default=64, help="documents per domain")
@@ -320,16 +372,16 @@ def main() -> int:
         domains[name] = (calibrate.token_sequences(tok, calibrate.read_documents([path]), a.max_len,
                                                    a.docs * a.max_len, pack=True)[: a.docs]
                          if a.long else load_docs(path, tok, a.max_len, a.docs))
-    if a.configs and not a.calib:
-        p.error("--configs trains codebooks: give --calib TEXT")
+    if (a.configs or a.allocate) and not a.calib:
+        p.error("--configs trains codebooks and --allocate measures costs: give --calib TEXT")
     seqs = calibrate.token_sequences(tok, calibrate.read_documents(a.calib), a.max_len, a.tokens,
-                                     0 if a.shuffle_docs else None) if a.configs else []
+                                     0 if a.shuffle_docs else None) if a.configs or a.allocate else []
     total = sum(map(len, seqs))
     t0 = time.time()
     need_pre = any(CONFIGS[c][1] for c in a.configs)
-    fisher = any(isinstance(CONFIGS[c][0], dict) for c in a.configs)
+    fisher = any(isinstance(CONFIGS[c][0], dict) for c in a.configs) or bool(a.allocate)
     stats = calibrate.capture(model, tok, seqs, min(1.0, a.samples / total), 0, max(a.windows),
-                              dev, pre_rope=need_pre, fisher=fisher) if a.configs else None
+                              dev, pre_rope=need_pre, fisher=fisher) if seqs else None
     capture_s = time.time() - t0
 
     sim = Sim()
@@ -366,6 +418,9 @@ def main() -> int:
             ("kv", None, spec) for spec in a.exact] if v_from is None else [("kv", None, None)]
         mvs = mv if isinstance(mv, list) else [mv] * n_layers
         bits_v = round(sum(8 * m / d for m in mvs) / n_layers, 4)
+        mks = mk if isinstance(mk, list) else [mk] * n_layers
+        bits_k = round(sum(8 * m / d for m in mks) / n_layers, 4)
+        bits_k = int(bits_k) if bits_k.is_integer() else bits_k
         for w in a.windows:
             sim.window = w
             for part, layers, exact in variants:
@@ -373,7 +428,7 @@ def main() -> int:
                 for name, docs in domains.items():
                     ppl, n, buckets = perplexity(model, docs, sim, dev)
                     rows.append(dict(
-                        method=cname, bits_k=8 * mk // d, bits_v=int(bits_v) if bits_v.is_integer() else bits_v,
+                        method=cname, bits_k=bits_k, bits_v=int(bits_v) if bits_v.is_integer() else bits_v,
                         m_k=mk, m_v=mv, **({"v_from": v_from} if v_from else {}),
                         window=w, pre_rope=pre, quantized=part,
                         layers="all" if layers is None else f"{layers.start}-{layers.stop - 1}",
@@ -386,7 +441,7 @@ def main() -> int:
                     if a.long:  # [perplexity, tokens, change against bf16 in %] per bucket
                         rows[-1]["buckets"] = {k: [p_, t, round(100 * (p_ / base[name][2][k][0] - 1), 3)]
                                                for k, (p_, t) in buckets.items()}
-                    print(f"{cname:24s} K{8 * mk // d}/V{bits_v:g} W={w:4d} {part:2s} "
+                    print(f"{cname:24s} K{bits_k:g}/V{bits_v:g} W={w:4d} {part:2s} "
                           f"{rows[-1]['layers']:5s} {rows[-1]['exact'] or '':11s} {name:8s}: ppl {ppl:.4f} "
                           f"({rows[-1]['delta_pct']:+.2f}%)"
                           + "".join(f"; {k} {v[2]:+.2f}%" for k, v in rows[-1].get("buckets", {}).items()),
@@ -425,6 +480,8 @@ def main() -> int:
                   v_from=[dict(file=os.path.abspath(donor), layers=layers,
                                codebook_sha256=codebook_meta(donor)["codebook_sha256"])
                           for donor, layers in donors])
+    if a.allocate:
+        allocate(a, stats, [read_books(path) for path in a.codebooks], score, d, dev)
     for bits in a.bits:
         bk, bv = (int(x) for x in bits.split("/"))
         mk, mv = bk * d // 8, bv * d // 8

@@ -122,7 +122,8 @@ def codebook_meta(path):
                 calib_seq_len=cal.get("seq_lens") or cal.get("seq_len"),
                 calib_pack=bool(cal.get("pack")),
                 calib_model_context=cal.get("model_context"),
-                calib_samples=cal.get("samples_per_head"))
+                calib_samples=cal.get("samples_per_head"),
+                **({"bits_v_mean": cal["bits_v_mean"]} if "bits_v_mean" in cal else {}))
 
 
 # --- servers --------------------------------------------------------------------------

@@ -118,6 +118,25 @@ def v_training(row: dict) -> str:
     return ", V in the o_proj metric (default)" if json.loads(row["method"]).get("v_gamma") else ", V plain L2"
 
 
+def fisher_words(row: dict) -> str:
+    """k-means weighted by Fisher information (calibrate.Method.k_fisher / v_fisher), or ""."""
+    p = json.loads(row["method"]) if row.get("method") not in (None, "plain") else {}
+    k, v = p.get("k_fisher", 0), p.get("v_fisher", 0)
+    power = lambda x: "" if x == 1 else f"^{x:g}"  # noqa: E731
+    if not (k or v):
+        return ""
+    if k == v:
+        return f", K and V weighted by Fisher information{power(k)}"
+    return ", " + ", ".join(f"{name} weighted by Fisher information{power(x)}"
+                            for name, x in (("K", k), ("V", v)) if x)
+
+
+def chosen_words(row: dict) -> str:
+    """V's bits by layer chosen by calibration (calibrate --bits-v-mean), or ""."""
+    mean = row.get("bits_v_mean")
+    return "" if mean is None else f", chosen by calibration (--bits-v-mean {mean:g})"
+
+
 def custom_name(bits_k: int, bits_v: float, row: dict | None = None) -> str:
     """CUSTOM by bits per element; with ``row`` (codebook_meta's fields), the layers whose
     V bits differ from the others', and the average."""
@@ -134,8 +153,8 @@ def cache_name(row: dict) -> str:
     codebooks were trained and calibrated where that is not the default."""
     if row.get("bits_k") in (None, 16):
         return row["label"]
-    return (custom_name(row["bits_k"], row["bits_v"], row) + exact_words(row) + v_training(row)
-            + calibration(row))
+    return (custom_name(row["bits_k"], row["bits_v"], row) + chosen_words(row) + exact_words(row)
+            + v_training(row) + fisher_words(row) + calibration(row))
 
 
 def quality_configs(rs: list[dict]) -> list[tuple[str, list[dict]]]:
@@ -172,9 +191,25 @@ def quality_gemma3() -> str:
     return quality_table("gemma_2k.json")
 
 
-def quality_table(file: str) -> str:
-    """eval/quality.py's rows: bf16's perplexity per domain, the others' change."""
+@table("v-allocation")
+def v_allocation() -> str:
+    return quality_table("v_allocation.json", allocations())
+
+
+def allocations(file: str = "v_allocation_sim.json") -> dict[str, dict]:
+    """codebook sha256 -> the calibration of each file whose V bits calibrate chose by cost
+    (--bits-v-mean), as a simulation over those files recorded it."""
+    return {r["codebook_sha256"]: r["method_params"] for r in rows(file)
+            if r.get("method_params", {}).get("bits_v_mean") is not None}
+
+
+def quality_table(file: str, chosen: dict | None = None) -> str:
+    """eval/quality.py's rows: bf16's perplexity per domain, the others' change; ``chosen``
+    (allocations()) names the files whose V bits calibration chose."""
     data = load(file)
+    for r in data["rows"]:
+        if r.get("codebook_sha256") in (chosen or {}):
+            r["bits_v_mean"] = chosen[r["codebook_sha256"]]["bits_v_mean"]
     body = []
     for name, rs in quality_configs(data["rows"]):
         by = {r["eval_text"]: r for r in rs}
@@ -1210,6 +1245,67 @@ def sim_caption(data: dict, r: dict, flag: str, books: str, tail: str, name: str
             f"{data['docs_per_domain']} documents per domain cut at {data['max_len']:,} tokens; "
             f"window 128; {books} calibrated on "
             + calibration_words(c["tokens"], c["seq_len"], c.get("pack")) + tail + " " + source(name))
+
+
+@table("v-allocation-costs")
+def v_allocation_costs() -> str:
+    """Each layer's V cost by bits as calibrate --bits-v-mean measured it, and the bits
+    it chose, for each file of the simulation run over them, with their simulated change."""
+    data, rs = exact_rows("v_allocation_sim.json")
+    files = {}
+    for r in rs:
+        files.setdefault(r["codebook_sha256"], r)
+    runs_ = sorted(files.values(), key=lambda r: r["method_params"]["bits_v_mean"])
+    costs = runs_[0]["method_params"]["v_cost"]
+    widths = sorted(costs[0], key=float)
+    total = sum(layer["2"] for layer in costs)
+    body = []
+    for i, layer in enumerate(costs):
+        chosen = []
+        for r in runs_:
+            d = 8 * r["m_k"] // r["bits_k"]
+            chosen.append(f"{8 * r['m_v'][i] // d}")
+        body.append([i, *(f"{100 * layer[w] / total:.2f}" for w in widths), *chosen])
+    same = all(r["method_params"]["v_cost"] == costs for r in runs_)
+    sims = "; ".join(f"--bits-v-mean {r['method_params']['bits_v_mean']:g} "
+                     f"({(r['bits_k'] + r['bits_v']) / 2:g} bits per element) "
+                     f"{r['delta_pct']:+.2f}% on {r['eval_text']} text" for r in runs_)
+    return "\n".join([
+        md(["layer", *(f"cost of V at {w} bit{'s' if w != '1' else ''}" for w in widths),
+            *(f"V bits, --bits-v-mean {r['method_params']['bits_v_mean']:g}" for r in runs_)], body), "",
+        "Each layer's cost: the sum over its sampled rows of (g . e)^2, g the row's gradient of "
+        "the loss through reads as codes, e its coding error, in % of the sum over every layer "
+        "at 2 bits" + ("" if same else " (of the first file; the files' costs differ)")
+        + f"; calibrate's defaults on {runs_[0]['method_params']['tokens']:,} tokens in "
+        f"{runs_[0]['method_params']['seq_len']:,}-token sequences. In simulation "
+        f"(`eval/accuracy_sim.py`, {data['device']}, {day(data['date'])}, "
+        f"{data['docs_per_domain']} documents): {sims}. " + source("v_allocation_sim.json")])
+
+
+@table("fisher-sim")
+def fisher_sim() -> str:
+    """k-means weighted by Fisher information against the default, in simulation."""
+    body = []
+    for file in ("fisher_sim.json", "fisher_sim_2bits.json"):
+        data = load(file)
+        groups = {}
+        for r in data["rows"]:
+            if r["method"] != "bf16":
+                groups.setdefault(r["method"], {})[r["eval_text"]] = r
+        for g in groups.values():
+            r = next(iter(g.values()))
+            p = r["method_params"]
+            what = ("calibrate's default" if not (p["k_fisher"] or p["v_fisher"]) else
+                    fisher_words({"method": json.dumps(p)}).removeprefix(", "))
+            body.append([custom_name(r["bits_k"], r["bits_v"]).removeprefix("CUSTOM "), what,
+                         " / ".join(f"{g[d]['delta_pct']:+.2f}" for d in DOMAINS if d in g)])
+    return "\n".join([
+        md(["codes", "training", " / ".join(DOMAINS)], body), "",
+        f"Perplexity change against bf16 in %; simulation in transformers, SmolLM2-135M in "
+        f"bfloat16, {data['device']}, {day(data['date'])}, {data['docs_per_domain']} documents "
+        f"per domain cut at {data['max_len']:,} tokens; every configuration trained from one "
+        f"capture of {data['calib_tokens']:,} tokens (2K-token sequences) per run. "
+        + source("fisher_sim.json", "fisher_sim_2bits.json")])
 
 
 @table("layer-bits-sim")

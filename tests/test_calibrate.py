@@ -190,7 +190,10 @@ def test_calibrate_chooses_v_bits_by_cost(tmp_path, capsys):
     cal = codebooks.calibration_of(info)
     costs = [{float(b): c for b, c in layer.items()} for layer in cal["v_cost"]]
     assert cal["bits_v_mean"] == 2.5 and [sorted(c) for c in costs] == [[1.0, 2.0, 4.0]] * 2
-    assert all(c > 0 for layer in costs for c in layer.values())
+    # layer 0's values are a function of the token alone, and the text has a few dozen
+    # tokens: exact at every width; layer 1's cost falls with the bits
+    assert all(c >= 0 for layer in costs for c in layer.values())
+    assert 0 < costs[1][4.0] < costs[1][2.0] < costs[1][1.0]
     bits = [info.m_v_layers[i] * 8 / 32 for i in range(2)]
     assert bits == allocate_bits(costs, 2.5) and sum(bits) / 2 <= 2.5
     assert "V's bits chosen by cost: K 4 / V " in capsys.readouterr().out

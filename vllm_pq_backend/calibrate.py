@@ -718,21 +718,30 @@ def train_layer(st: LayerStats, m_k: int, m_v: int, method: Method, seed: int, d
     return dict(k=kc, v=vc, k_transform=tk, v_transform=tv, err_k=ek, err_v=ev)
 
 
-def v_cost(st: LayerStats, m_v: int, method: Method, seed: int, device) -> float:
-    """What coding this layer's V with ``m_v`` subspaces costs the loss, to second order
-    with the empirical Fisher: the sum over the sampled rows of ``(g . e)^2``, g the
-    row's gradient through coded reads (capture(fisher=True)), e its coding error."""
+def coding_cost(st: LayerStats, part: str, cents: torch.Tensor, t: torch.Tensor | None,
+                device) -> float:
+    """What coding this layer's K (``part`` "k") or V ("v") with centroids ``cents`` (in
+    the space of map ``t``) costs the loss, to second order with the empirical Fisher: the
+    sum over the sampled rows of ``(g . e)^2``, g the row's gradient through coded reads
+    (capture(fisher=True)), e its coding error."""
     from .reference import decode_codes, encode
 
-    if not st.gv:
-        raise CalibrationError("V's cost by layer needs capture(fisher=True)")
-    cents, t, _ = _train_part(st, "v", m_v, method, seed, device)
-    v, g = st.rows("v").to(device), st.rows("gv").to(device)
-    vt = v if t is None else torch.einsum("nhd,hde->nhe", v, t)
-    rec = decode_codes(encode(vt, cents), cents)
+    if not getattr(st, "g" + part):
+        raise CalibrationError("the cost of codes by layer needs capture(fisher=True)")
+    x, g = st.rows(part).to(device), st.rows("g" + part).to(device)
+    cents = cents.to(device)
+    t = None if t is None else t.to(device)
+    xt = x if t is None else torch.einsum("nhd,hde->nhe", x, t)
+    rec = decode_codes(encode(xt, cents), cents)
     if t is not None:
         rec = torch.einsum("nhe,hed->nhd", rec, torch.linalg.inv(t.double()).to(rec))
-    return float(((v - rec) * g).sum(-1).double().square().sum())
+    return float(((x - rec) * g).sum(-1).double().square().sum())
+
+
+def v_cost(st: LayerStats, m_v: int, method: Method, seed: int, device) -> float:
+    """coding_cost of this layer's V trained with ``m_v`` subspaces."""
+    cents, t, _ = _train_part(st, "v", m_v, method, seed, device)
+    return coding_cost(st, "v", cents, t, device)
 
 
 def allocate_bits(costs: list[dict[float, float]], mean: float) -> list[float]:

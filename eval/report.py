@@ -144,7 +144,7 @@ def custom_name(bits_k: int, bits_v: float, row: dict | None = None) -> str:
         return (f"CUSTOM K{bits_k}/V{row['bits_v_base']}{v_layers_words(row)} "
                 f"({(bits_k + bits_v) / 2:g} bits)")
     if bits_k == bits_v:
-        return f"CUSTOM {bits_k} bits"
+        return f"CUSTOM {bits_k} bit{'' if bits_k == 1 else 's'}"
     return f"CUSTOM K{bits_k}/V{bits_v} ({(bits_k + bits_v) / 2:g} bits)"
 
 
@@ -1280,6 +1280,35 @@ def v_allocation_costs() -> str:
         f"{runs_[0]['method_params']['seq_len']:,}-token sequences. In simulation "
         f"(`eval/accuracy_sim.py`, {data['device']}, {day(data['date'])}, "
         f"{data['docs_per_domain']} documents): {sims}. " + source("v_allocation_sim.json")])
+
+
+@table("kv-allocation-sim")
+def kv_allocation_sim() -> str:
+    """K and V bits by layer chosen by cost (accuracy_sim.py --allocate), beside the
+    uniform files they are read through, one run."""
+    data, rs = exact_rows("kv_allocation_sim.json")
+    body = []
+    for r in sorted(rs, key=lambda r: ((r["bits_k"] + r["bits_v"]) / 2, "allocate" in r["method"])):
+        bits = (r["bits_k"] + r["bits_v"]) / 2
+        if r["method"].startswith("allocate:"):
+            layers = r["method_params"]["layers"]
+            pairs = sorted({tuple(x) for x in layers}, key=lambda x: (-x[0], -x[1]))
+            what = "; ".join(f"K{k:g}/V{v:g} in " + layer_ranges([i for i, x in enumerate(layers) if tuple(x) == (k, v)])
+                             for k, v in pairs)
+            name = f"chosen for a mean of {r['method_params']['allocate']:g} bits"
+        else:
+            name, what = custom_name(r["bits_k"], r["bits_v"]).removeprefix("CUSTOM "), "every layer"
+        body.append([name, what, f"{bits:.2f}".rstrip("0").rstrip("."), f"{r['delta_pct']:+.2f}"])
+    files = sorted({r["codebook_sha256"] for r in rs if "codebook_sha256" in r})
+    return "\n".join([
+        md(["K and V", "layers", "bits per element", rs[0]["eval_text"]], body), "",
+        f"Simulation in transformers (`eval/accuracy_sim.py --allocate`), SmolLM2-135M in "
+        f"{data['dtype']}, {data['device']}, {day(data['date'])}: perplexity change against the "
+        f"same model unquantized in %, {data['docs_per_domain']} documents cut at "
+        f"{data['max_len']:,} tokens; window 128; each layer's K and V read through the codebook "
+        f"file of their bits (sha256 {', '.join(files)}, calibrated alike on 2K-token sequences), "
+        f"the costs from a capture of {data['calib_tokens']:,} tokens of the same text. "
+        + source("kv_allocation_sim.json")])
 
 
 @table("fisher-sim")

@@ -989,9 +989,14 @@ def choose_v_bits(stats, d: int, m_k: int, mean: float, method_at, seed: int, de
     return [subspaces(d, b) for b in bits], costs
 
 
-def cpu_warning(params: int, tokens: int) -> str:
+# With the loss's backward pass (--bits-v-mean) the capture takes about three times as long
+# (SmolLM2-135M on a CPU: 14.6 s forward, 44.2 s forward and backward for 4096 tokens).
+BACKWARD_FACTOR = 3
+
+
+def cpu_warning(params: int, tokens: int, backward: bool = False) -> str:
     """One line: calibration on the CPU is slow, about how slow, and how to pick a GPU."""
-    seconds = params * tokens / CPU_PARAM_TOKENS_PER_S
+    seconds = params * tokens / CPU_PARAM_TOKENS_PER_S * (BACKWARD_FACTOR if backward else 1)
     minutes = round(seconds / 60)
     took = ("under a minute" if seconds < 60 else
             f"about {minutes} minute{'s' if minutes > 1 else ''}" if seconds < 5400 else
@@ -999,7 +1004,8 @@ def cpu_warning(params: int, tokens: int) -> str:
     size = (f"{params / 1e9:.1f}B" if params >= 1e9 else
             f"{params / 1e6:.0f}M" if params >= 1e7 else f"{params / 1e6:.2f}M")
     return (f"calibrate: warning: running on the CPU: {took} for {size} parameters x {tokens} "
-            f"tokens (SmolLM2-135M x 65536: 40 minutes, 30 s on an H100); give --device cuda "
+            f"tokens{', forward and backward' if backward else ''} (SmolLM2-135M x 65536: 40 "
+            f"minutes forward, 30 s on an H100); give --device cuda "
             f"(or cuda:N) to run on a GPU"
             + ("" if torch.cuda.device_count() else " (torch sees none here)"))
 
@@ -1111,15 +1117,16 @@ def _run(args, parser) -> int:
     cfg, model = load_weights(args.model, args.dtype, args.device)
     print(f"calibration: {docs.count} documents, {len(seqs)} sequences, {total} tokens, "
           f"{what}, device {args.device}", flush=True)
+    widths = v_widths(d, m) if by_cost else sorted(set(m_vs))
+    backward = by_cost or any(method_at(mv).fisher for mv in widths)
     if torch.device(args.device).type == "cpu":
-        print(cpu_warning(sum(p.numel() for p in model.parameters()), total), file=sys.stderr,
-              flush=True)
+        print(cpu_warning(sum(p.numel() for p in model.parameters()), total, backward),
+              file=sys.stderr, flush=True)
     if min(args.samples, total) < 39 * NUM_CENTROIDS:
         print(f"calibrate: warning: {min(args.samples, total)} samples per head is few for 256 "
               f"centroids; k-means wants at least {39 * NUM_CENTROIDS}", file=sys.stderr)
-    widths = v_widths(d, m) if by_cost else sorted(set(m_vs))
     stats = capture(model, tok, seqs, min(1.0, args.samples / total), args.seed, args.window,
-                    args.device, fisher=by_cost or any(method_at(mv).fisher for mv in widths))
+                    args.device, fisher=backward)
     del model
     samples = int(sum(x.shape[0] for x in stats[0].k))
     if samples < NUM_CENTROIDS:  # rows kept per sequence are rounded

@@ -710,11 +710,12 @@ def _train_part(st: LayerStats, part: str, m: int, method: Method, seed: int, de
     return cents, t, err
 
 
-def train_layer(st: LayerStats, m_k: int, m_v: int, method: Method, seed: int, device):
+def train_layer(st: LayerStats, m_k: int, m_v: int, method: Method, seed: int, device,
+                v_part: tuple | None = None):
     """Codebooks and maps of one layer: dict of k/v centroids, k/v transforms (or None),
-    relative errors."""
+    relative errors. ``v_part``: V's, already trained (_train_part's result)."""
     kc, tk, ek = _train_part(st, "k", m_k, method, seed, device)
-    vc, tv, ev = _train_part(st, "v", m_v, method, seed, device)
+    vc, tv, ev = v_part or _train_part(st, "v", m_v, method, seed, device)
     return dict(k=kc, v=vc, k_transform=tk, v_transform=tv, err_k=ek, err_v=ev)
 
 
@@ -736,12 +737,6 @@ def coding_cost(st: LayerStats, part: str, cents: torch.Tensor, t: torch.Tensor 
     if t is not None:
         rec = torch.einsum("nhe,hed->nhd", rec, torch.linalg.inv(t.double()).to(rec))
     return float(((x - rec) * g).sum(-1).double().square().sum())
-
-
-def v_cost(st: LayerStats, m_v: int, method: Method, seed: int, device) -> float:
-    """coding_cost of this layer's V trained with ``m_v`` subspaces."""
-    cents, t, _ = _train_part(st, "v", m_v, method, seed, device)
-    return coding_cost(st, "v", cents, t, device)
 
 
 def allocate_bits(costs: list[dict[float, float]], mean: float) -> list[float]:
@@ -766,10 +761,11 @@ def allocate_bits(costs: list[dict[float, float]], mean: float) -> list[float]:
 
 
 def train(stats: list[LayerStats], m_k: int, m_v, method, seed: int, device,
-          progress: bool = True) -> dict:
+          progress: bool = True, v_parts: list | None = None) -> dict:
     """Every layer: tensors ``k [L, H, m_k, 256, d/m_k]``, ``v`` (the same, or a list of
     each layer's ``[H, Mv, 256, d/Mv]`` where ``m_v`` and ``method`` are lists, one per
-    layer), transforms ``[L, H, d, d]`` (or None), and mean relative errors per layer."""
+    layer), transforms ``[L, H, d, d]`` (or None), and mean relative errors per layer.
+    ``v_parts``: each layer's V already trained (choose_v_bits), not trained again."""
     from tqdm import tqdm
 
     per_layer = isinstance(m_v, list)
@@ -777,10 +773,10 @@ def train(stats: list[LayerStats], m_k: int, m_v, method, seed: int, device,
     methods = method if isinstance(method, list) else [method] * len(stats)
     desc = f"k-means K {m_k} / V {m_vs[0] if len(set(m_vs)) == 1 else 'per layer'} subspaces"
     out = []
-    for st, mv, meth in tqdm(list(zip(stats, m_vs, methods)), desc=desc, unit="layer",
-                             disable=not progress):
+    for st, mv, meth, vp in tqdm(list(zip(stats, m_vs, methods, v_parts or [None] * len(stats))),
+                                 desc=desc, unit="layer", disable=not progress):
         out.append({key: (val.cpu() if val is not None else None)
-                    for key, val in train_layer(st, m_k, mv, meth, seed, device).items()})
+                    for key, val in train_layer(st, m_k, mv, meth, seed, device, vp).items()})
     stack = lambda key: None if out[0][key] is None else torch.stack([o[key] for o in out])  # noqa: E731
     return dict(k=stack("k"), v=[o["v"] for o in out] if per_layer else stack("v"),
                 k_transform=stack("k_transform"), v_transform=stack("v_transform"),
@@ -975,18 +971,22 @@ def v_widths(head_dim: int, m_k: int) -> list[int]:
 
 
 def choose_v_bits(stats, d: int, m_k: int, mean: float, method_at, seed: int, device,
-                  progress: bool = True) -> tuple[list[int], list[dict]]:
+                  progress: bool = True) -> tuple[list[int], list[dict], list[tuple]]:
     """Each layer's V subspaces for ``--bits-v-mean``: V trained at every width built
-    beside K's, its cost to the loss measured (v_cost), the cheapest choice for the mean
-    (allocate_bits). Returns the layers' Mv and their costs, by bits."""
+    beside K's, its cost to the loss measured (coding_cost), the cheapest choice for the
+    mean (allocate_bits). Returns the layers' Mv, their costs by bits, and each layer's
+    chosen V as trained (for train's v_parts)."""
     from tqdm import tqdm
 
-    widths = v_widths(d, m_k)
-    costs = [{bits_of(d, mv): v_cost(st, mv, method_at(mv), seed, device) for mv in widths}
-             for st in tqdm(stats, desc="V's cost by layer and bits", unit="layer",
-                            disable=not progress)]
-    bits = allocate_bits(costs, mean)
-    return [subspaces(d, b) for b in bits], costs
+    costs, trained = [], []
+    for st in tqdm(stats, desc="V's cost by layer and bits", unit="layer", disable=not progress):
+        parts = {mv: _train_part(st, "v", mv, method_at(mv), seed, device)
+                 for mv in v_widths(d, m_k)}
+        costs.append({bits_of(d, mv): coding_cost(st, "v", c, t, device)
+                      for mv, (c, t, _) in parts.items()})
+        trained.append(parts)
+    m_vs = [subspaces(d, b) for b in allocate_bits(costs, mean)]
+    return m_vs, costs, [parts[mv] for parts, mv in zip(trained, m_vs)]
 
 
 # With the loss's backward pass (--bits-v-mean) the capture takes about three times as long
@@ -1132,16 +1132,17 @@ def _run(args, parser) -> int:
     if samples < NUM_CENTROIDS:  # rows kept per sequence are rounded
         raise CalibrationError(f"{samples} samples per head kept; k-means needs "
                                f"{NUM_CENTROIDS}: raise --samples")
-    costs = None
+    costs = v_parts = None
     if by_cost:
-        m_vs, costs = choose_v_bits(stats, d, m, args.bits_v_mean, method_at, args.seed,
-                                    args.device)
+        m_vs, costs, v_parts = choose_v_bits(stats, d, m, args.bits_v_mean, method_at,
+                                             args.seed, args.device)
         m_v = base_m_v(m_vs)
         what = describe_layers_m(d, m, m_vs)
         print(f"V's bits chosen by cost: {what}", flush=True)
     out = args.out or default_codebook_path(args.model, m, m_v, m_vs)
     method = method_at(m_v)
-    books = train(stats, m, m_vs, [method_at(mv) for mv in m_vs], args.seed, args.device)
+    books = train(stats, m, m_vs, [method_at(mv) for mv in m_vs], args.seed, args.device,
+                  v_parts=v_parts)
     save_codebooks(out, books["k"], books["v"], cfg, {
         "model": os.path.abspath(args.model),
         "texts": [os.path.abspath(t) for t in args.text],

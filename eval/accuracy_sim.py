@@ -291,8 +291,8 @@ def allocate(a, stats, files, score, d, dev) -> None:
 
     parts = {"k": {}, "v": {}}  # bits -> (path, books): the first file with those bits
     for path, (info, books) in zip(a.codebooks, files):
-        if info.m_v is None:
-            raise SystemExit(f"--allocate: {path} has V bits by layer; give uniform files")
+        if not info.uniform:
+            raise SystemExit(f"--allocate: {path} has bits by layer; give uniform files")
         parts["k"].setdefault(bits_of(d, info.m_k), (path, books))
         parts["v"].setdefault(bits_of(d, info.m_v), (path, books))
     pairs = [(bk, bv) for bk, bv in BIT_RATES if bk in parts["k"] and bv in parts["v"]]
@@ -464,8 +464,9 @@ def main() -> int:
         info, books = read_books(path)
         cal = codebooks.calibration_of(info)
         pinned, digest = bool(cal.get("pinned_bos_sink")), codebook_meta(path)["codebook_sha256"]
-        own = info.m_v or list(info.m_v_layers)  # a list where the file's layers differ
-        score(path, books, info.m_k, own, False, cal, None, pinned, digest)
+        own_k = info.m_k or list(info.m_k_layers)  # lists where the file's layers differ
+        own = info.m_v or list(info.m_v_layers)
+        score(path, books, own_k, own, False, cal, None, pinned, digest)
         for donors in a.v_from if n == 0 else []:
             mixed = {key: list(val) for key, val in books.items()}
             mvs = list(info.m_v_layers)
@@ -476,7 +477,7 @@ def main() -> int:
                     mvs[i] = dinfo.m_v_layers[i]
             if mvs == list(info.m_v_layers):
                 continue  # the file's own V bits
-            score(path, mixed, info.m_k, mvs, False, cal, None, pinned, digest,
+            score(path, mixed, own_k, mvs, False, cal, None, pinned, digest,
                   v_from=[dict(file=os.path.abspath(donor), layers=layers,
                                codebook_sha256=codebook_meta(donor)["codebook_sha256"])
                           for donor, layers in donors])

@@ -107,14 +107,15 @@ def codebook_meta(path):
     cal = codebooks.calibration_of(info)
     with open(path, "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()[:16]
-    base = codebooks.base_m_v(info.m_v_layers)
-    differ = {bits_of(info.head_dim, m): runs
-              for m, runs in layers_of_m(info.m_v_layers, base).items()}
-    return dict(m_k=info.m_k, m_v=info.m_v, head_dim=info.head_dim,
-                **({"m_v_layers": list(info.m_v_layers), "v_layers": differ,
-                    "bits_v_base": bits_of(info.head_dim, base)} if differ else {}),
-                bits_k=bits_of(info.head_dim, info.m_k),
-                bits_v=info.bits_v, codebook_sha256=digest,
+    by_layer = {}  # where K's or V's bits differ by layer: each layer's, and the exceptions
+    for part, ms in (("k", info.m_k_layers), ("v", info.m_v_layers)):
+        base = codebooks.base_m(ms)
+        differ = {bits_of(info.head_dim, m): runs for m, runs in layers_of_m(ms, base).items()}
+        if differ:
+            by_layer.update({f"m_{part}_layers": list(ms), f"{part}_layers": differ,
+                             f"bits_{part}_base": bits_of(info.head_dim, base)})
+    return dict(m_k=info.m_k, m_v=info.m_v, head_dim=info.head_dim, **by_layer,
+                bits_k=info.bits_k, bits_v=info.bits_v, codebook_sha256=digest,
                 codebook_file=os.path.abspath(path),
                 method="plain" if not info.transforms and not cal.get("method") else
                 json.dumps(cal.get("method"), sort_keys=True),
@@ -123,7 +124,7 @@ def codebook_meta(path):
                 calib_pack=bool(cal.get("pack")),
                 calib_model_context=cal.get("model_context"),
                 calib_samples=cal.get("samples_per_head"),
-                **({"bits_v_mean": cal["bits_v_mean"]} if "bits_v_mean" in cal else {}))
+                **{key: cal[key] for key in ("bits_mean", "bits_v_mean") if key in cal})
 
 
 # --- servers --------------------------------------------------------------------------
@@ -195,17 +196,18 @@ def exact_words(meta: dict) -> str:
 def engine_label(meta: dict, window: int) -> str:
     """CUSTOM by bits per element, exact store and window, and its calibration where not
     the default."""
-    return (f"CUSTOM K{meta['bits_k']}/V{meta.get('bits_v_base', meta['bits_v'])} bits"
-            + v_layers_words(meta) + exact_words(meta) + f" W={window}" + calibration(meta))
+    return (f"CUSTOM K{meta.get('bits_k_base', meta['bits_k'])}/"
+            f"V{meta.get('bits_v_base', meta['bits_v'])} bits"
+            + layer_bits_words(meta) + exact_words(meta) + f" W={window}" + calibration(meta))
 
 
-def v_layers_words(meta: dict) -> str:
-    """The layers whose V bits differ from the file's others (codebook_meta), or "":
-    ", V 4 in layers 18-23"."""
+def layer_bits_words(meta: dict) -> str:
+    """The layers whose K or V bits differ from the file's others (codebook_meta), or "":
+    ", K 2 in layers 0-3, V 4 in layers 18-23"."""
     # as vllm_pq_backend.config.layers_words, which report.py (run without the package
     # installed) cannot import
-    return "".join(f", V {b} in layer{'s' if any(c in r for c in ',-') else ''} {r}"
-                   for b, r in (meta.get("v_layers") or {}).items())
+    return "".join(f", {part.upper()} {b} in layer{'s' if any(c in r for c in ',-') else ''} {r}"
+                   for part in "kv" for b, r in (meta.get(f"{part}_layers") or {}).items())
 
 
 def custom_engines(paths: list[str], windows: list[int], exacts: list[int],
@@ -221,8 +223,10 @@ def custom_engines(paths: list[str], windows: list[int], exacts: list[int],
         meta = codebook_meta(path)
         for w in windows:
             for p in exacts:
-                lays = [PageLayout(block_size, meta["m_k"], mv, meta["head_dim"], p)
-                        for mv in meta.get("m_v_layers") or [meta["m_v"]]]
+                n = len(meta.get("m_k_layers") or meta.get("m_v_layers") or [0])
+                lays = [PageLayout(block_size, mk, mv, meta["head_dim"], p)
+                        for mk, mv in zip(meta.get("m_k_layers") or [meta["m_k"]] * n,
+                                          meta.get("m_v_layers") or [meta["m_v"]] * n)]
                 mean = lambda xs: sum(xs) / len(lays)  # noqa: E731  (over the layers)
                 bk, bv = (mean(x) for x in zip(*(lay.bits() for lay in lays)))
                 m = dict(meta, window=w, exact=p,

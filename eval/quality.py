@@ -24,7 +24,7 @@ import os
 import sys
 import time
 
-from common import custom_engines, load_docs, prompt_perplexity, provenance, v_layers_words
+from common import custom_engines, layer_bits_words, load_docs, prompt_perplexity, provenance
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # read the engine's KV size
 
@@ -65,7 +65,7 @@ def agreement(a, b):
 
 def short_label(row) -> str:
     """A plot label: backend, bits per element, training (default / plain) and window."""
-    if row.get("m_k") is None:
+    if row.get("bits_k") in (None, 16):
         return row["label"]
     from dataclasses import asdict
 
@@ -78,8 +78,9 @@ def short_label(row) -> str:
         want = asdict(default_method(row.get("bits_v_base", row["bits_v"])))
         default = params == {k: v for k, v in want.items() if k != "niter"}
         method = "plain" if plain else "default" if default else "custom"
-    return (f"CUSTOM {row['bits_k']}b/{row.get('bits_v_base', row['bits_v'])}b"
-            f"{v_layers_words(row)} {method} W={row['window']}")
+    return (f"CUSTOM {row.get('bits_k_base', row['bits_k'])}b/"
+            f"{row.get('bits_v_base', row['bits_v'])}b{layer_bits_words(row)} {method} "
+            f"W={row['window']}")
 
 
 def plot(rows, path):

@@ -26,7 +26,7 @@ import re
 import sys
 from pathlib import Path
 
-from common import calibration, calibration_words, exact_words, size, v_layers_words  # eval/ is the script's directory
+from common import calibration, calibration_words, exact_words, layer_bits_words, size  # eval/ is the script's directory
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "eval" / "results"
@@ -132,17 +132,17 @@ def fisher_words(row: dict) -> str:
 
 
 def chosen_words(row: dict) -> str:
-    """V's bits by layer chosen by calibration (calibrate --bits-v-mean), or ""."""
-    mean = row.get("bits_v_mean")
-    return "" if mean is None else f", chosen by calibration (--bits-v-mean {mean:g})"
+    """Bits by layer chosen by calibration (calibrate --bits-mean, --bits-v-mean), or ""."""
+    return "".join(f", chosen by calibration (--{key.replace('_', '-')} {row[key]:g})"
+                   for key in ("bits_mean", "bits_v_mean") if row.get(key) is not None)
 
 
 def custom_name(bits_k: int, bits_v: float, row: dict | None = None) -> str:
     """CUSTOM by bits per element; with ``row`` (codebook_meta's fields), the layers whose
     V bits differ from the others', and the average."""
-    if row and row.get("v_layers"):
-        return (f"CUSTOM K{bits_k}/V{row['bits_v_base']}{v_layers_words(row)} "
-                f"({(bits_k + bits_v) / 2:g} bits)")
+    if row and (row.get("k_layers") or row.get("v_layers")):
+        return (f"CUSTOM K{row.get('bits_k_base', bits_k)}/V{row.get('bits_v_base', bits_v)}"
+                f"{layer_bits_words(row)} ({(bits_k + bits_v) / 2:g} bits)")
     if bits_k == bits_v:
         return f"CUSTOM {bits_k} bit{'' if bits_k == 1 else 's'}"
     return f"CUSTOM K{bits_k}/V{bits_v} ({(bits_k + bits_v) / 2:g} bits)"
@@ -194,6 +194,29 @@ def quality_gemma3() -> str:
 @table("v-allocation")
 def v_allocation() -> str:
     return quality_table("v_allocation.json", allocations())
+
+
+@table("kv-allocation")
+def kv_allocation() -> str:
+    return quality_table("kv_allocation.json")
+
+
+@table("kv-allocation-layers")
+def kv_allocation_layers() -> str:
+    """Each layer's K and V bits in the files whose bits calibration chose (served rows)."""
+    body, seen = [], set()
+    for r in load("kv_allocation.json")["rows"]:
+        if not (r.get("m_k_layers") or r.get("m_v_layers")) or r["codebook_sha256"] in seen:
+            continue
+        seen.add(r["codebook_sha256"])
+        n = len(r.get("m_k_layers") or r["m_v_layers"])
+        bits = lambda m: 8 * m / r["head_dim"]  # noqa: E731
+        layers = [(bits(mk), bits(mv)) for mk, mv in zip(r.get("m_k_layers") or [r["m_k"]] * n,
+                                                      r.get("m_v_layers") or [r["m_v"]] * n)]
+        body.append([f"{(r['bits_k'] + r['bits_v']) / 2:g}", chosen_words(r).removeprefix(", "),
+                     pairs_by_layer(layers), r["codebook_sha256"]])
+    return "\n".join([md(["bits per element", "chosen", "K and V bits by layer", "codebook sha256"],
+                          body), "", source("kv_allocation.json")])
 
 
 def allocations(file: str = "v_allocation_sim.json") -> dict[str, dict]:
@@ -1282,6 +1305,13 @@ def v_allocation_costs() -> str:
         f"{data['docs_per_domain']} documents): {sims}. " + source("v_allocation_sim.json")])
 
 
+def pairs_by_layer(layers: list) -> str:
+    """Each layer's (K, V) bits, grouped: 'K4/V2 in 8, 14; K2/V2 in 0-7'."""
+    pairs = sorted({tuple(x) for x in layers}, key=lambda x: (-x[0], -x[1]))
+    return "; ".join(f"K{k:g}/V{v:g} in " + layer_ranges([i for i, x in enumerate(layers) if tuple(x) == (k, v)])
+                     for k, v in pairs)
+
+
 @table("kv-allocation-sim")
 def kv_allocation_sim() -> str:
     """K and V bits by layer chosen by cost (accuracy_sim.py --allocate), beside the
@@ -1291,10 +1321,7 @@ def kv_allocation_sim() -> str:
     for r in sorted(rs, key=lambda r: ((r["bits_k"] + r["bits_v"]) / 2, "allocate" in r["method"])):
         bits = (r["bits_k"] + r["bits_v"]) / 2
         if r["method"].startswith("allocate:"):
-            layers = r["method_params"]["layers"]
-            pairs = sorted({tuple(x) for x in layers}, key=lambda x: (-x[0], -x[1]))
-            what = "; ".join(f"K{k:g}/V{v:g} in " + layer_ranges([i for i, x in enumerate(layers) if tuple(x) == (k, v)])
-                             for k, v in pairs)
+            what = pairs_by_layer(r["method_params"]["layers"])
             name = f"chosen for a mean of {r['method_params']['allocate']:g} bits"
         else:
             name, what = custom_name(r["bits_k"], r["bits_v"]).removeprefix("CUSTOM "), "every layer"

@@ -48,18 +48,21 @@ def hf_config(path):
 
 
 def random_codebooks(path, model_dir, m, seed=0, transforms=False, m_v=None):
-    """Random centroids (K with ``m`` subspaces, V with ``m_v``, default ``m``, or a list
-    of each layer's); with ``transforms``, random well-conditioned K and V maps (rotation x
-    scales in [0.5, 2]), as calibration writes them."""
+    """Random centroids (K with ``m`` subspaces, V with ``m_v``, default ``m``; either may
+    be a list of each layer's); with ``transforms``, random well-conditioned K and V maps
+    (rotation x scales in [0.5, 2]), as calibration writes them."""
     cfg = hf_config(model_dir)
     d = codebooks.head_dim_of(cfg)
     g = torch.Generator().manual_seed(seed)
     m_v = m_v or m
-    shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, m, NUM_CENTROIDS, d // m)
-    k = torch.randn(shape, generator=g)
-    v = ([torch.randn(shape[1], mv, NUM_CENTROIDS, d // mv, generator=g) for mv in m_v]
-         if isinstance(m_v, list) else
-         torch.randn(*shape[:2], m_v, NUM_CENTROIDS, d // m_v, generator=g))
+    shape = (cfg.num_hidden_layers, cfg.num_key_value_heads)
+
+    def draw(ms):
+        if isinstance(ms, list):
+            return [torch.randn(shape[1], x, NUM_CENTROIDS, d // x, generator=g) for x in ms]
+        return torch.randn(*shape, ms, NUM_CENTROIDS, d // ms, generator=g)
+
+    k, v = draw(m), draw(m_v)
     maps = {}
     if transforms:
         for name in ("k_transform", "v_transform"):

@@ -68,23 +68,27 @@ def test_prefill_decode_mixed(model_factory, target, head_dim, q_heads, kv_heads
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_v_bits_by_layer(tmp_path, target, head_dim):
-    """Codebooks with V 2 bits in layer 0, 4 in layer 1 and 1 in layer 2 (K 4 bits): each
-    layer's pages hold its own V codes and every layer attends within the tolerance."""
+@pytest.mark.parametrize("bits", [
+    ((4, 2), (4, 4), (4, 1)),  # V's bits by layer (calibrate --bits-v-layers, --bits-v-mean)
+    ((2, 2), (4, 1), (1, 1)),  # K's and V's (calibrate --bits-mean)
+], ids=["v", "kv"])
+def test_bits_by_layer(tmp_path, target, head_dim, bits):
+    """Codebooks whose layers have other (K, V) bits: each layer's pages hold its own K and
+    V codes and every layer attends within the tolerance."""
     from helpers import random_codebooks
 
     model = write_model_config(str(tmp_path / "m"), head_dim=head_dim, layers=3)
-    m = head_dim // 2
-    path = random_codebooks(str(tmp_path / "mixed.safetensors"), model, m,
-                            m_v=[m // 2, m, m // 4], seed=head_dim)
+    pairs = [(bk * head_dim // 8, bv * head_dim // 8) for bk, bv in bits]
+    path = random_codebooks(str(tmp_path / "mixed.safetensors"), model,
+                            [mk for mk, _ in pairs], m_v=[mv for _, mv in pairs], seed=head_dim)
     vc = vllm_config(model, block_size=64, pq={"codebooks": path, "window": 32})
-    for layer, m_v in enumerate((m // 2, m, m // 4)):
+    for layer, (m_k, m_v) in enumerate(pairs):
         sim = make_sim(vc, target, seed=layer, layer_index=layer)
-        assert sim.spec.state_content_bytes == m + m_v
+        assert sim.spec.state_content_bytes == m_k + m_v
         for rid in range(3):
             sim.add(rid)
         check(sim, sim.step([(0, 70), (1, 5), (2, 130)]), 32)
-        assert sim.impl._state.layout.m_v == m_v
+        assert (sim.impl._state.layout.m_k, sim.impl._state.layout.m_v) == (m_k, m_v)
         for _ in range(2):
             check(sim, sim.step([(0, 1), (1, 1), (2, 1)]), 32)
 

@@ -756,8 +756,10 @@ def test_default_window_stays_below_the_sliding_window(tmp_path):
     assert EngineConfig.of(vllm_config(model, block_size=128, pq={"window": 32})).window == 32
 
 
-def test_pages_take_each_layers_v_bits(tmp_path):
-    """Codebooks whose V bits differ by layer: vLLM asks for each layer's page size from its
+@pytest.mark.parametrize("m_k,m_v", [(32, [8, 16, 32]), ([8, 16, 32], [8, 16, 8])],
+                         ids=["v", "kv"])
+def test_pages_take_each_layers_bits(tmp_path, m_k, m_v):
+    """Codebooks whose K or V bits differ by layer: vLLM asks for each layer's page size from its
     model runner's loop over layer names (or, for a sliding-window layer, from the layer
     itself), and each layer's page holds its own codes; a call that names no layer is
     refused rather than given some layer's size. vLLM then keeps the layers in one KV cache
@@ -773,7 +775,8 @@ def test_pages_take_each_layers_v_bits(tmp_path):
     from vllm_pq_backend.backend import PQAttentionBackend
 
     model = write_model_config(str(tmp_path / "m"), head_dim=64, layers=3)
-    path = random_codebooks(str(tmp_path / "mixed.safetensors"), model, 32, m_v=[8, 16, 32])
+    path = random_codebooks(str(tmp_path / "mixed.safetensors"), model, m_k, m_v=m_v)
+    widths = [mk + mv for mk, mv in zip(m_k if isinstance(m_k, list) else [m_k] * 3, m_v)]
     vc = vllm_config(model, block_size=64, pq={"codebooks": path})
     dense = FullAttentionSpec(block_size=64, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
 
@@ -790,8 +793,8 @@ def test_pages_take_each_layers_v_bits(tmp_path):
             return PQAttentionBackend.customize_spec(dense)
 
     specs = get_kv_cache_spec(vc)
-    assert [s.page_size_bytes for s in specs.values()] == [64 * 2 * (32 + m) for m in (8, 16, 32)]
-    assert Layer().get_kv_cache_spec(vc).page_size_bytes == 64 * 2 * 64
+    assert [s.page_size_bytes for s in specs.values()] == [64 * 2 * w for w in widths]
+    assert Layer().get_kv_cache_spec(vc).page_size_bytes == 64 * 2 * widths[2]
     with pytest.raises(RuntimeError, match="without naming the layer"):
         with set_current_vllm_config(vc):
             PQAttentionBackend.customize_spec(dense)

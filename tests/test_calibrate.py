@@ -196,7 +196,41 @@ def test_calibrate_chooses_v_bits_by_cost(tmp_path, capsys):
     assert 0 < costs[1][4.0] < costs[1][2.0] < costs[1][1.0]
     bits = [info.m_v_layers[i] * 8 / 32 for i in range(2)]
     assert bits == allocate_bits(costs, 2.5) and sum(bits) / 2 <= 2.5
-    assert "V's bits chosen by cost: K 4 / V " in capsys.readouterr().out
+    assert "bits chosen by cost: K 4 / V " in capsys.readouterr().out
+    assert [sorted(map(float, layer)) for layer in cal["k_cost"]] == [[4.0]] * 2
+
+
+def test_calibrate_chooses_k_and_v_bits_by_cost(tmp_path, capsys):
+    """--bits-mean 2.5: K and V of each layer trained at every width the built pairs have
+    (4, 2, 1 bits), each one's cost measured, and each layer's (K, V) pair the cheapest
+    choice for the mean (the knapsack over the recorded costs, pairs K/V 1/1, 2/2, 4/1,
+    4/2, 4/4); the file holds each layer's K and V at its pair's widths, and serves."""
+    from vllm_pq_backend.calibrate import allocate_bits
+
+    model = tiny_model(tmp_path / "model")
+    (tmp_path / "a.txt").write_text("the lazy dog jumps over the quick brown fox " * 80)
+    out = tmp_path / "auto.safetensors"
+    assert main(["--model", model, "--text", str(tmp_path / "a.txt"), "--bits-mean", "2.5",
+                 "--tokens", "1000", "--samples", "600", "--seq-len", "256", "--niter", "2",
+                 "--device", "cpu", "--dtype", "float32", "--out", str(out)]) == 0
+    info = codebooks.read_info(str(out))
+    codebooks.validate(info, hf_config(model), None, None, model)
+    cal = codebooks.calibration_of(info)
+    assert cal["bits_mean"] == 2.5 and "bits_v_mean" not in cal
+    costs = {part: [{float(b): c for b, c in layer.items()} for layer in cal[f"{part}_cost"]]
+             for part in "kv"}
+    assert all(sorted(layer) == [1.0, 2.0, 4.0] for part in "kv" for layer in costs[part])
+    assert 0 < costs["k"][1][4.0] < costs["k"][1][2.0] < costs["k"][1][1.0]
+    pairs = {1.0: (1, 1), 2.0: (2, 2), 2.5: (4, 1), 3.0: (4, 2), 4.0: (4, 4)}
+    pair_costs = [{b: ck[bk] + cv[bv] for b, (bk, bv) in pairs.items()}
+                  for ck, cv in zip(costs["k"], costs["v"])]
+    want = [pairs[b] for b in allocate_bits(pair_costs, 2.5)]
+    got = [(mk * 8 // 32, mv * 8 // 32) for mk, mv in info.pairs]
+    assert got == want and (info.bits_k + info.bits_v) / 2 <= 2.5
+    for layer, (mk, mv) in enumerate(info.pairs):
+        k, v = codebooks.load_layer(info, layer, slice(None))
+        assert k.shape == (2, mk, 256, 32 // mk) and v.shape == (2, mv, 256, 32 // mv)
+    assert f"bits chosen by cost: {info.describe()}" in capsys.readouterr().out
 
 
 def test_allocate_bits_is_the_cheapest_choice_for_the_mean():
@@ -224,6 +258,10 @@ def test_allocate_bits_is_the_cheapest_choice_for_the_mean():
     (["--bits-v-mean", "5"], "--bits-v-mean 5: with --bits 4 V can have 1, 2, 4 bits per "
                              "layer, so a mean from 1 to 4"),
     (["--bits-v-mean", "2", "--bits-v", "2"], "--bits-v-mean chooses V's bits in every layer"),
+    (["--bits-mean", "0.5"], "--bits-mean 0.5: layers can have 1, 2, 2.5, 3, 4 bits per "
+                             "element, so a mean from 1 to 4"),
+    (["--bits-mean", "3", "--bits", "4", "--bits-v-mean", "2"],
+     "--bits-mean chooses K's and V's bits in every layer: drop --bits, --bits-v-mean"),
     (["--bits", "2", "--bits-v-layers", "4@1"], "--bits 2 asks for K 2 / V 4 bits per element "
                                                 "(Mk=8, Mv=16) in some layers (--bits-v-layers), "
                                                 "which is not built"),

@@ -3,6 +3,7 @@ finite centroids, finite and invertible maps, each refused with a CodebookError 
 the problem and the calibrate command."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from safetensors.torch import save_file
 
 from helpers import hf_config, random_codebooks, write_model_config
 from vllm_pq_backend import codebooks
+from vllm_pq_backend.config import default_codebook_path
 from vllm_pq_backend.layout import NAN_CODE
 
 
@@ -178,29 +180,59 @@ def test_v_bits_by_layer_read_back_per_layer(tmp_path, model):
         codebooks.validate(info, hf_config(model), 16, 8, model)
 
 
+def test_k_and_v_bits_by_layer_read_back_per_layer(tmp_path, model):
+    """A file whose K and V have 2 bits in layer 0 and 4 in layer 1 (calibrate
+    --bits-mean): each layer loads its own K and V subspaces, exactly as written; the
+    file's name and description say which layers differ."""
+    path = random_codebooks(str(tmp_path / "mixed.safetensors"), model, [8, 16],
+                            m_v=[8, 16], seed=5)
+    info = codebooks.read_info(path)
+    assert (info.m_k_layers, info.m_k, info.bits_k, info.uniform) == ((8, 16), None, 3, False)
+    assert info.pairs == [(8, 8), (16, 16)]
+    codebooks.validate(info, hf_config(model), None, None, model)
+    g = torch.Generator().manual_seed(5)
+    want = {part: [torch.randn(2, m, 256, 32 // m, generator=g) for m in (8, 16)]
+            for part in "kv"}
+    for layer in (0, 1):
+        k, v = codebooks.load_layer(info, layer, slice(1, 2))
+        assert torch.equal(k, want["k"][layer][1:2]) and torch.equal(v, want["v"][layer][1:2])
+    assert info.describe() == ("K 2 / V 2 bits per element, K 4 in layer 1, V 4 in layer 1 "
+                               "(3 bits per element on average; Mk=8, 16 in 1, Mv=8, 16 in 1)")
+    assert default_codebook_path("M", 8, 8, [8, 16], [8, 16]) == os.path.join(
+        "M", "pq", "codebooks_m8_k16l1_v16l1.safetensors")
+    with pytest.raises(codebooks.CodebookError, match="M: file has one per layer, K 2 / V 2"):
+        codebooks.validate(info, hf_config(model), 16, None, model)
+
+
 def test_v_bits_by_layer_the_kernels_lack_are_named_with_their_layers(tmp_path, model):
     path = random_codebooks(str(tmp_path / "odd.safetensors"), model, 16, m_v=[8, 32])
     with pytest.raises(codebooks.CodebookError, match=r"Mk=16, Mv=32 \(layer 1\) is not a "
                                                       "supported setting"):
         codebooks.validate(codebooks.read_info(path), hf_config(model), None, None, model)
+    path = random_codebooks(str(tmp_path / "odd_k.safetensors"), model, [16, 8], m_v=16)
+    with pytest.raises(codebooks.CodebookError, match=r"Mk=8, Mv=16 \(layer 1\) is not a "
+                                                      "supported setting"):
+        codebooks.validate(codebooks.read_info(path), hf_config(model), None, None, model)
 
 
+@pytest.mark.parametrize("part", ["k", "v"])
 @pytest.mark.parametrize("value,match", [
-    ("[8]", r"m_v_layers='\[8\]' is not a list of 2 positive integers"),
+    ("[8]", r"m_{part}_layers='\[8\]' is not a list of 2 positive integers"),
     ("[8, 0]", "is not a list of 2 positive integers"),
     ("8", "is not a list of 2 positive integers"),
-    ("[8, 8]", r"v_centroids has shape \[2, 2, 8192\].* says \[2, 2, 8, 256, 4\]"),
+    ("[8, 8]", r"{part}_centroids has shape \[2, 2, 8192\].* says \[2, 2, 8, 256, 4\]"),
 ])
-def test_v_bits_by_layer_metadata_must_agree(tmp_path, model, value, match):
-    path = random_codebooks(str(tmp_path / "mixed.safetensors"), model, 16, m_v=[8, 16])
+def test_bits_by_layer_metadata_must_agree(tmp_path, model, value, match, part):
+    path = random_codebooks(str(tmp_path / "mixed.safetensors"), model, [8, 16], m_v=[8, 16])
+    match = match.replace("{part}", part)
     with safe_open(path, "pt") as f:
         md = dict(f.metadata())
         ts = {k: f.get_tensor(k) for k in f.keys()}
     if value == "[8, 8]":  # a uniform header over the mixed tensor
-        md.pop("m_v_layers")
-        md["m_v"] = "8"
+        md.pop(f"m_{part}_layers")
+        md[f"m_{part}"] = "8"
     else:
-        md["m_v_layers"] = value
+        md[f"m_{part}_layers"] = value
     save_file(ts, path, metadata=md)
     with pytest.raises(codebooks.CodebookError, match=match):
         codebooks.read_info(path)

@@ -193,18 +193,21 @@ def kv_cache_shapes(model) -> dict[str, tuple]:
             if isinstance(getattr(m, "kv_cache", None), torch.Tensor) and m.kv_cache.numel()}
 
 
-def test_v_bits_by_layer_get_pages_of_their_size_and_serve_in_cuda_graphs(tmp_path, monkeypatch):
-    """Codebooks with V at 2 bits in layer 0 and 1 bit in layer 1 (K 4 bits): vLLM gives
-    each layer pages of its own bytes per token (K 32 + V 16, K 32 + V 8), the same blocks
-    for both, and decode steps in CUDA graphs (each layer's kernel) give an eager engine's
-    greedy outputs."""
+@pytest.mark.parametrize("m_k,m_v", [(32, [16, 8]), ([16, 32], [16, 8])], ids=["v", "kv"])
+def test_bits_by_layer_get_pages_of_their_size_and_serve_in_cuda_graphs(tmp_path, monkeypatch,
+                                                                         m_k, m_v):
+    """Codebooks whose layers differ in V's bits (K 4 / V 2 in layer 0, K 4 / V 1 in layer
+    1) or in K's and V's (2 / 2, 4 / 1): vLLM gives each layer pages of its own bytes per
+    token, the same blocks for both, and decode steps in CUDA graphs (each layer's
+    kernel) give an eager engine's greedy outputs."""
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     model, _ = tiny_target(tmp_path / "model", "eagle3")
-    books = random_codebooks(str(tmp_path / "mixed.safetensors"), model, 32, m_v=[16, 8], seed=4)
+    books = random_codebooks(str(tmp_path / "mixed.safetensors"), model, m_k, m_v=m_v, seed=4)
     eager = engine(model, books, 32)
     (shapes,) = eager.apply_model(kv_cache_shapes)
     by_layer = sorted(shapes.items())
-    assert [s[-1] for _, s in by_layer] == [48, 40], shapes
+    m_ks = m_k if isinstance(m_k, list) else [m_k] * 2
+    assert [s[-1] for _, s in by_layer] == [mk + mv for mk, mv in zip(m_ks, m_v)], shapes
     assert len({s[:-1] for _, s in by_layer}) == 1, shapes  # blocks, heads, tokens alike
     want = greedy(eager)
     del eager

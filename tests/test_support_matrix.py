@@ -143,8 +143,9 @@ CHECKS = {
     "4, 2 or 1 bits per element for K and V alike, K 4 / V 2 or 1 bits": [
         dict(pq={"m": m, "m_v": m_v}) for m, m_v in supported_m(64)],
     "other bit rates (K 2 / V 4 bits, ...)": [dict(books=(16, 32)), dict(books=(64, 64))],
-    "V bits that differ by layer (`calibrate --bits-v-layers`)": [
-        dict(books=(32, [16, 32])), dict(books=(32, [8, 16]))],
+    "K and V bits that differ by layer (`calibrate --bits-v-layers`, `--bits-v-mean`, "
+    "`--bits-mean`)": [
+        dict(books=(32, [16, 32])), dict(books=(32, [8, 16])), dict(books=([16, 32], [16, 8]))],
     "sliding-window layers (Gemma 3, Mistral)": [dict(layer={"sliding_window": w})
                                                  for w in (144, 512, 4096)],
     "a sliding window no larger than the default residual window (128)": [

@@ -98,17 +98,17 @@ class PQAttentionBackend(AttentionBackend):
     @classmethod
     def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
         """A page holds codes and the exact store: layout.PageLayout.state_bytes per token
-        and KV head, of the layer's bits where the codebooks' V bits differ by layer."""
+        and KV head, of the layer's bits where the codebooks' bits differ by layer."""
         if spec.state_content_bytes is not None:
             return spec
         cfg = EngineConfig.of_caller()  # vLLM asks outside its config context
-        layer = 0 if cfg.m_v is not None else layer_of_caller()
+        layer = 0 if cfg.codebooks.uniform else layer_of_caller()
         if layer is None:
             raise RuntimeError(
-                f"vllm_pq_backend: codebooks {cfg.codebooks.path} give V different bits by "
-                "layer, and vLLM asked for a page size without naming the layer (this vLLM "
+                f"vllm_pq_backend: codebooks {cfg.codebooks.path} give K or V different bits "
+                "by layer, and vLLM asked for a page size without naming the layer (this vLLM "
                 "calls customize_spec from somewhere the backend does not know); use "
-                "codebooks with one V bit rate")
+                "codebooks with one bit rate in every layer")
         return replace(
             spec,
             dtype=torch.uint8,

@@ -49,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-from .codebooks import (base_m_v, codebook_path_hint, describe_layers_m, describe_m,
+from .codebooks import (base_m, codebook_path_hint, describe_layers_m, describe_m,
                         head_dim_of, reserve_nan_code, save_codebooks, supported_m_text)
 from .config import (DEFAULT_BLOCK_SIZE, default_codebook_path, default_window, layer_runs,
                      layers_of_m, parse_layers)
@@ -711,10 +711,11 @@ def _train_part(st: LayerStats, part: str, m: int, method: Method, seed: int, de
 
 
 def train_layer(st: LayerStats, m_k: int, m_v: int, method: Method, seed: int, device,
-                v_part: tuple | None = None):
+                k_part: tuple | None = None, v_part: tuple | None = None):
     """Codebooks and maps of one layer: dict of k/v centroids, k/v transforms (or None),
-    relative errors. ``v_part``: V's, already trained (_train_part's result)."""
-    kc, tk, ek = _train_part(st, "k", m_k, method, seed, device)
+    relative errors. ``k_part``, ``v_part``: K's and V's, already trained (_train_part's
+    results)."""
+    kc, tk, ek = k_part or _train_part(st, "k", m_k, method, seed, device)
     vc, tv, ev = v_part or _train_part(st, "v", m_v, method, seed, device)
     return dict(k=kc, v=vc, k_transform=tk, v_transform=tv, err_k=ek, err_v=ev)
 
@@ -760,25 +761,33 @@ def allocate_bits(costs: list[dict[float, float]], mean: float) -> list[float]:
     return min(best.values(), key=lambda x: x[0])[1]
 
 
-def train(stats: list[LayerStats], m_k: int, m_v, method, seed: int, device,
-          progress: bool = True, v_parts: list | None = None) -> dict:
-    """Every layer: tensors ``k [L, H, m_k, 256, d/m_k]``, ``v`` (the same, or a list of
-    each layer's ``[H, Mv, 256, d/Mv]`` where ``m_v`` and ``method`` are lists, one per
-    layer), transforms ``[L, H, d, d]`` (or None), and mean relative errors per layer.
-    ``v_parts``: each layer's V already trained (choose_v_bits), not trained again."""
+def train(stats: list[LayerStats], m_k, m_v, method, seed: int, device,
+          progress: bool = True, parts: list | None = None) -> dict:
+    """Every layer: tensors ``k [L, H, m_k, 256, d/m_k]`` and ``v`` (the same, or lists of
+    each layer's ``[H, M, 256, d/M]`` where ``m_k``, ``m_v`` are lists, one per layer, as
+    ``method`` may be), transforms ``[L, H, d, d]`` (or None), and mean relative errors per
+    layer. ``parts``: each layer's (K, V) already trained (choose_bits), not trained again."""
     from tqdm import tqdm
 
-    per_layer = isinstance(m_v, list)
-    m_vs = m_v if per_layer else [m_v] * len(stats)
-    methods = method if isinstance(method, list) else [method] * len(stats)
-    desc = f"k-means K {m_k} / V {m_vs[0] if len(set(m_vs)) == 1 else 'per layer'} subspaces"
+    def each(x):
+        return x if isinstance(x, list) else [x] * len(stats)
+
+    m_ks, m_vs = each(m_k), each(m_v)
+    name = lambda ms: ms[0] if len(set(ms)) == 1 else "per layer"  # noqa: E731
     out = []
-    for st, mv, meth, vp in tqdm(list(zip(stats, m_vs, methods, v_parts or [None] * len(stats))),
-                                 desc=desc, unit="layer", disable=not progress):
+    for st, mk, mv, meth, (kp, vp) in tqdm(
+            list(zip(stats, m_ks, m_vs, each(method), parts or [(None, None)] * len(stats))),
+            desc=f"k-means K {name(m_ks)} / V {name(m_vs)} subspaces", unit="layer",
+            disable=not progress):
         out.append({key: (val.cpu() if val is not None else None)
-                    for key, val in train_layer(st, m_k, mv, meth, seed, device, vp).items()})
-    stack = lambda key: None if out[0][key] is None else torch.stack([o[key] for o in out])  # noqa: E731
-    return dict(k=stack("k"), v=[o["v"] for o in out] if per_layer else stack("v"),
+                    for key, val in train_layer(st, mk, mv, meth, seed, device, kp, vp).items()})
+
+    def stack(key, listed=False):
+        if out[0][key] is None:
+            return None
+        return [o[key] for o in out] if listed else torch.stack([o[key] for o in out])
+
+    return dict(k=stack("k", isinstance(m_k, list)), v=stack("v", isinstance(m_v, list)),
                 k_transform=stack("k_transform"), v_transform=stack("v_transform"),
                 rel_mse_k=[round(float(o["err_k"].mean()), 5) for o in out],
                 rel_mse_v=[round(float(o["err_v"].mean()), 5) for o in out])
@@ -788,6 +797,7 @@ def train(stats: list[LayerStats], m_k: int, m_v, method, seed: int, device,
 # default 65536 tokens took about 40 minutes on a CPU and 26-31 s on an H100.
 CPU_PARAM_TOKENS_PER_S = 135e6 * 65536 / (40 * 60)
 BITS = sorted({b for pair in BIT_RATES for b in pair})
+DEFAULT_BITS = 4
 
 
 class _Parser(argparse.ArgumentParser):
@@ -808,7 +818,7 @@ def build_parser() -> argparse.ArgumentParser:
              ".jsonl with a 'text' field per line); UTF-8, read only as far as --tokens needs",
     )
     bits = ",".join(map(str, BITS))
-    p.add_argument("--bits", "--bits-k", dest="bits", type=int, default=4, choices=BITS,
+    p.add_argument("--bits", "--bits-k", dest="bits", type=int, default=None, choices=BITS,
                    metavar="{%s}" % bits,
                    help="bits per element of K (and of V unless --bits-v): 4 (default), 2 or 1")
     p.add_argument("--bits-v", type=int, default=None, choices=BITS, metavar="{%s}" % bits,
@@ -824,6 +834,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "4, 2 and 1 with K at 4) for a mean of at most BITS, by what each "
                         "costs the loss (one backward pass per sequence): e.g. --bits 4 "
                         "--bits-v-mean 2 for 3 bits per element on average")
+    pairs = ", ".join(f"{bk}/{bv}" for bk, bv in BIT_RATES)
+    p.add_argument("--bits-mean", type=float, default=None, metavar="BITS",
+                   help="let calibration choose each layer's K and V bits (K/V one of "
+                        f"{pairs}) for a mean of at most BITS per element, K and V together, "
+                        "by what each costs the loss (one backward pass per sequence): e.g. "
+                        "--bits-mean 3")
     p.add_argument("--m", type=int, default=None,
                    help="K subspaces per head instead of --bits (head_dim/2 is 4 bits)")
     p.add_argument("--m-v", type=int, default=None,
@@ -913,6 +929,14 @@ def _check_args(parser, args) -> None:
                                          or args.bits_v_layers):
         parser.error("--bits-v-mean chooses V's bits in every layer: drop --bits-v, --m-v "
                      "and --bits-v-layers")
+    given = [flag for flag, value in (("--bits", args.bits), ("--bits-v", args.bits_v),
+                                      ("--m", args.m), ("--m-v", args.m_v),
+                                      ("--bits-v-layers", args.bits_v_layers),
+                                      ("--bits-v-mean", args.bits_v_mean))
+             if value not in (None, [])]
+    if args.bits_mean is not None and given:
+        parser.error(f"--bits-mean chooses K's and V's bits in every layer: drop "
+                     f"{', '.join(given)}")
     if args.window is not None and args.window < 0:
         parser.error(f"--window must be >= 0, got {args.window}")
     try:
@@ -932,13 +956,13 @@ def _check_args(parser, args) -> None:
 def _subspaces(parser, args, head_dim: int, num_layers: int) -> tuple[int, int, list[int]]:
     """Mk, Mv and each layer's Mv (--bits-v-layers) the arguments ask for, if the kernels
     are built for them."""
-    m = args.m if args.m is not None else subspaces(head_dim, args.bits)
+    m = args.m if args.m is not None else subspaces(head_dim, args.bits or DEFAULT_BITS)
     if args.m_v is not None:
         m_v = args.m_v
     else:
         m_v = subspaces(head_dim, args.bits_v) if args.bits_v is not None else m
     m_vs = [m_v] * num_layers
-    given = [f"--m {args.m}" if args.m is not None else f"--bits {args.bits}"]
+    given = [f"--m {args.m}" if args.m is not None else f"--bits {args.bits or DEFAULT_BITS}"]
     if args.m_v is not None:
         given.append(f"--m-v {args.m_v}")
     elif args.bits_v is not None:
@@ -950,12 +974,18 @@ def _subspaces(parser, args, head_dim: int, num_layers: int) -> tuple[int, int, 
         for i in layers:
             m_vs[i] = subspaces(head_dim, bits)
     if args.bits_v_mean is not None:
-        widths = v_widths(head_dim, m)
+        widths = [mv for _, mv in cost_pairs(head_dim, m)]
         lo, hi = bits_of(head_dim, widths[0]), bits_of(head_dim, widths[-1])
         if not lo <= args.bits_v_mean <= hi:
             parser.error(f"--bits-v-mean {args.bits_v_mean:g}: with {given[0]} V can have "
                          f"{', '.join(f'{bits_of(head_dim, w):g}' for w in widths)} bits "
                          f"per layer, so a mean from {lo:g} to {hi:g}")
+    if args.bits_mean is not None:
+        means = sorted(pair_bits(head_dim, p) for p in cost_pairs(head_dim))
+        if not means[0] <= args.bits_mean <= means[-1]:
+            parser.error(f"--bits-mean {args.bits_mean:g}: layers can have "
+                         f"{', '.join(f'{b:g}' for b in means)} bits per element, so a mean "
+                         f"from {means[0]:g} to {means[-1]:g}")
     for mv in sorted(set(m_vs)):
         if (m, mv) not in supported_m(head_dim):
             parser.error(f"{' '.join(given)} asks for {describe_m(head_dim, m, mv)}"
@@ -965,28 +995,46 @@ def _subspaces(parser, args, head_dim: int, num_layers: int) -> tuple[int, int, 
     return m, m_vs[0] if len(set(m_vs)) == 1 else m_v, m_vs
 
 
-def v_widths(head_dim: int, m_k: int) -> list[int]:
-    """V's subspace counts the kernels are built for beside K's ``m_k``, fewest first."""
-    return sorted(mv for mk, mv in supported_m(head_dim) if mk == m_k)
+def cost_pairs(head_dim: int, m_k: int | None = None) -> list[tuple[int, int]]:
+    """(Mk, Mv) pairs the kernels are built for, those with K's ``m_k`` where given:
+    what calibration chooses among by cost, fewest bits first."""
+    return sorted(((mk, mv) for mk, mv in supported_m(head_dim) if m_k in (None, mk)),
+                  key=lambda p: (pair_bits(head_dim, p), p))
 
 
-def choose_v_bits(stats, d: int, m_k: int, mean: float, method_at, seed: int, device,
-                  progress: bool = True) -> tuple[list[int], list[dict], list[tuple]]:
-    """Each layer's V subspaces for ``--bits-v-mean``: V trained at every width built
-    beside K's, its cost to the loss measured (coding_cost), the cheapest choice for the
-    mean (allocate_bits). Returns the layers' Mv, their costs by bits, and each layer's
-    chosen V as trained (for train's v_parts)."""
+def pair_bits(head_dim: int, pair: tuple[int, int]) -> float:
+    """Bits per element of K and V together at (Mk, Mv)."""
+    return (bits_of(head_dim, pair[0]) + bits_of(head_dim, pair[1])) / 2
+
+
+def choose_bits(stats, d: int, pairs: list[tuple[int, int]], mean: float, method_at,
+                seed: int, device, progress: bool = True):
+    """Each layer's (Mk, Mv) among ``pairs`` for ``--bits-mean`` (``--bits-v-mean``: the
+    pairs with K's width): K and V trained at every width the pairs have, each one's cost
+    to the loss measured (coding_cost), the cheapest choice for a mean of at most ``mean``
+    bits per element (allocate_bits; the pairs' means differ). Returns each layer's pair,
+    the costs of K and of V by layer and bits, and each layer's chosen (K, V) as trained
+    (for train's parts)."""
     from tqdm import tqdm
 
-    costs, trained = [], []
-    for st in tqdm(stats, desc="V's cost by layer and bits", unit="layer", disable=not progress):
-        parts = {mv: _train_part(st, "v", mv, method_at(mv), seed, device)
-                 for mv in v_widths(d, m_k)}
-        costs.append({bits_of(d, mv): coding_cost(st, "v", c, t, device)
-                      for mv, (c, t, _) in parts.items()})
+    by_bits = {pair_bits(d, p): p for p in pairs}
+    assert len(by_bits) == len(pairs), pairs
+    costs, trained = {"k": [], "v": []}, []
+    for st in tqdm(stats, desc="K's and V's cost by layer and bits", unit="layer",
+                   disable=not progress):
+        parts = {}
+        for part, widths in (("k", {mk for mk, _ in pairs}), ("v", {mv for _, mv in pairs})):
+            # K's training settings do not depend on V's bits: any method_at serves it
+            parts[part] = {m: _train_part(st, part, m, method_at(m if part == "v" else pairs[-1][1]),
+                                          seed, device) for m in sorted(widths)}
+            costs[part].append({bits_of(d, m): coding_cost(st, part, c, t, device)
+                                for m, (c, t, _) in parts[part].items()})
         trained.append(parts)
-    m_vs = [subspaces(d, b) for b in allocate_bits(costs, mean)]
-    return m_vs, costs, [parts[mv] for parts, mv in zip(trained, m_vs)]
+    pair_cost = [{b: ck[bits_of(d, mk)] + cv[bits_of(d, mv)] for b, (mk, mv) in by_bits.items()}
+                 for ck, cv in zip(costs["k"], costs["v"])]
+    chosen = [by_bits[b] for b in allocate_bits(pair_cost, mean)]
+    return chosen, costs, [(parts["k"][mk], parts["v"][mv])
+                           for parts, (mk, mv) in zip(trained, chosen)]
 
 
 # With the loss's backward pass (--bits-v-mean) the capture takes about three times as long
@@ -1084,9 +1132,17 @@ def _run(args, parser) -> int:
                             niter=args.niter)
         return replace(method, **overrides)
 
-    by_cost = args.bits_v_mean is not None
-    what = (f"K {bits_of(d, m):g} bits per element, V's bits by layer for a mean of "
-            f"{args.bits_v_mean:g}" if by_cost else describe_layers_m(d, m, m_vs))
+    m_ks = [m] * len(m_vs)
+    if args.bits_mean is not None:  # K's and V's bits by cost
+        pairs, mean = cost_pairs(d), args.bits_mean
+        what = f"K's and V's bits by layer for a mean of {mean:g} per element"
+    elif args.bits_v_mean is not None:  # V's by cost, K's as given
+        pairs, mean = cost_pairs(d, m), (bits_of(d, m) + args.bits_v_mean) / 2
+        what = (f"K {bits_of(d, m):g} bits per element, V's bits by layer for a mean of "
+                f"{args.bits_v_mean:g}")
+    else:
+        pairs, what = None, describe_layers_m(d, m_ks, m_vs)
+    by_cost = pairs is not None
 
     context = getattr(hf.get_text_config(), "max_position_embeddings", None)
     if args.window is None:  # the window serving picks for this model at its default block
@@ -1117,8 +1173,7 @@ def _run(args, parser) -> int:
     cfg, model = load_weights(args.model, args.dtype, args.device)
     print(f"calibration: {docs.count} documents, {len(seqs)} sequences, {total} tokens, "
           f"{what}, device {args.device}", flush=True)
-    widths = v_widths(d, m) if by_cost else sorted(set(m_vs))
-    backward = by_cost or any(method_at(mv).fisher for mv in widths)
+    backward = by_cost or any(method_at(mv).fisher for mv in set(m_vs))
     if torch.device(args.device).type == "cpu":
         print(cpu_warning(sum(p.numel() for p in model.parameters()), total, backward),
               file=sys.stderr, flush=True)
@@ -1132,17 +1187,18 @@ def _run(args, parser) -> int:
     if samples < NUM_CENTROIDS:  # rows kept per sequence are rounded
         raise CalibrationError(f"{samples} samples per head kept; k-means needs "
                                f"{NUM_CENTROIDS}: raise --samples")
-    costs = v_parts = None
+    costs = parts = None
     if by_cost:
-        m_vs, costs, v_parts = choose_v_bits(stats, d, m, args.bits_v_mean, method_at,
-                                             args.seed, args.device)
-        m_v = base_m_v(m_vs)
-        what = describe_layers_m(d, m, m_vs)
-        print(f"V's bits chosen by cost: {what}", flush=True)
-    out = args.out or default_codebook_path(args.model, m, m_v, m_vs)
+        chosen, costs, parts = choose_bits(stats, d, pairs, mean, method_at, args.seed,
+                                           args.device)
+        m_ks, m_vs = [mk for mk, _ in chosen], [mv for _, mv in chosen]
+        m, m_v = base_m(m_ks), base_m(m_vs)
+        what = describe_layers_m(d, m_ks, m_vs)
+        print(f"bits chosen by cost: {what}", flush=True)
+    out = args.out or default_codebook_path(args.model, m, m_v, m_vs, m_ks)
     method = method_at(m_v)
-    books = train(stats, m, m_vs, [method_at(mv) for mv in m_vs], args.seed, args.device,
-                  v_parts=v_parts)
+    books = train(stats, m_ks if len(set(m_ks)) > 1 else m, m_vs,
+                  [method_at(mv) for mv in m_vs], args.seed, args.device, parts=parts)
     save_codebooks(out, books["k"], books["v"], cfg, {
         "model": os.path.abspath(args.model),
         "texts": [os.path.abspath(t) for t in args.text],
@@ -1151,17 +1207,20 @@ def _run(args, parser) -> int:
         "seed": args.seed, "dtype": args.dtype, "window": args.window,
         "shuffle_docs": args.shuffle_docs, "pack": args.pack,
         "method": asdict(method), "pinned_bos_sink": stats[0].sink is not None,
+        **({"bits_k_layers": {str(bits_of(d, mk)): runs for mk, runs in other_k.items()}}
+           if (other_k := layers_of_m(m_ks, m)) else {}),
         **({"bits_v_layers": {str(bits_of(d, mv)): runs for mv, runs in other.items()},
             "methods_v_layers": {str(bits_of(d, mv)): asdict(method_at(mv)) for mv in other}}
            if (other := layers_of_m(m_vs, m_v)) else {}),
-        **({"bits_v_mean": args.bits_v_mean,
-            "v_cost": [{f"{b:g}": float(f"{c:.6g}") for b, c in layer.items()} for layer in costs]}
-           if costs else {}),
+        **({"bits_mean": args.bits_mean} if args.bits_mean is not None else {}),
+        **({"bits_v_mean": args.bits_v_mean} if args.bits_v_mean is not None else {}),
+        **({f"{part}_cost": [{f"{b:g}": float(f"{c:.6g}") for b, c in layer.items()}
+                             for layer in costs[part]] for part in costs} if costs else {}),
         "rel_mse_k": books["rel_mse_k"], "rel_mse_v": books["rel_mse_v"],
         "seconds": round(time.time() - t0, 1),
     }, k_transform=books["k_transform"], v_transform=books["v_transform"])
     mk, mv = (sum(books[x]) / len(books[x]) for x in ("rel_mse_k", "rel_mse_v"))
-    print(f"wrote {out}: {cfg.num_hidden_layers} layers x {books['k'].shape[1]} KV heads, "
+    print(f"wrote {out}: {cfg.num_hidden_layers} layers x {books['k'][0].shape[0]} KV heads, "
           f"{what}, {samples} samples per head, mean relative error K {mk:.4f} V {mv:.4f} "
           f"(in the trained metric; {time.time() - t0:.0f} s)")
     print(codebook_path_hint(out, args.model, m, m_v, d))

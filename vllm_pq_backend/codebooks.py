@@ -5,7 +5,8 @@ Tensors ``k_centroids`` float32 ``[layers, kv_heads, Mk, 256, head_dim/Mk]`` and
 V's subspaces may also differ by layer (``calibrate --bits-v-layers``): metadata
 ``m_v_layers`` (JSON, one per layer) replaces ``m_v``, and ``v_centroids`` is
 ``[layers, kv_heads, 256 * head_dim]``, each layer's ``[Mv, 256, head_dim/Mv]`` flattened
-(the same count at every Mv);
+(the same count at every Mv); K's likewise (``calibrate --bits-mean``: ``m_k_layers`` and a
+flat ``k_centroids``);
 optional ``k_transform`` / ``v_transform``: float32 ``[layers, kv_heads, head_dim, head_dim]``.
 With a K transform T the codes are of ``k T`` (and the backend scores ``q T^-T``, so
 q.k is unchanged); with a V transform the codes are of ``v T`` and the attention output is
@@ -14,7 +15,7 @@ Metadata (strings): ``format``, ``fingerprint`` (hash of the model's attention-r
 config), ``fingerprint_fields`` (JSON, to say what differs), ``head_dim``, ``m_k``, ``m_v``,
 ``bits_k``, ``bits_v`` (per element), ``k_post_rope``, ``num_layers``, ``num_kv_heads``,
 ``model``, ``calibration`` (JSON). Formats 1 and 2 had one ``m`` for K and V; format 4
-added ``m_v_layers``.
+added ``m_v_layers``, format 5 ``m_k_layers``.
 
 A file is checked before use, not trusted: the metadata must be complete and agree with
 the tensors' shapes (read_info), and every centroid and map must be finite, every map
@@ -37,9 +38,11 @@ from safetensors.torch import save_file
 from .config import default_codebook_path, layers_of_m, layers_words
 from .layout import NAN_CODE, NUM_CENTROIDS, bits_of, supported_m
 
-FORMAT = "vllm_pq_backend/codebooks/4"
-# 1: no transforms; 1 and 2: one M for K and V; 1 to 3: one M for V in every layer
-READABLE = tuple(f"vllm_pq_backend/codebooks/{n}" for n in (1, 2, 3)) + (FORMAT,)
+FORMAT = "vllm_pq_backend/codebooks/5"
+# 1: no transforms; 1 and 2: one M for K and V; 1 to 3: one M for V in every layer; 1 to
+# 4: one M for K in every layer
+READABLE = tuple(f"vllm_pq_backend/codebooks/{n}" for n in (1, 2, 3, 4)) + (FORMAT,)
+PARTS = ("k", "v")
 TRANSFORMS = ("k_transform", "v_transform")
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names
 
@@ -88,28 +91,32 @@ def describe_m(head_dim: int, m_k: int, m_v: int) -> str:
     return f"K {bk} / V {bv} bits per element (Mk={m_k}, Mv={m_v})"
 
 
-def base_m_v(m_v_layers) -> int:
-    """The V subspaces most layers have (the lower on a tie): the others are exceptions."""
-    return max(sorted(set(m_v_layers)), key=list(m_v_layers).count)
+def base_m(m_layers) -> int:
+    """The subspaces most layers have (the lower on a tie): the others are exceptions."""
+    return max(sorted(set(m_layers)), key=list(m_layers).count)
 
 
-def mean_bits(head_dim: int, m_v_layers) -> float:
-    """V's bits per element averaged over the layers."""
-    return bits_of(head_dim, round(sum(m_v_layers) / len(m_v_layers), 6))
+def mean_bits(head_dim: int, m_layers) -> float:
+    """Bits per element averaged over the layers."""
+    return bits_of(head_dim, round(sum(m_layers) / len(m_layers), 6))
 
 
-def describe_layers_m(head_dim: int, m_k: int, m_v_layers) -> str:
-    """describe_m, with the layers whose V differs: 'K 4 / V 2 bits per element, V 4 in
-    layers 18-23 (3.2 bits per element on average; Mk=32, Mv=16, 32 in 18-23)'."""
-    if len(set(m_v_layers)) == 1:
-        return describe_m(head_dim, m_k, m_v_layers[0])
-    base = base_m_v(m_v_layers)
-    where = layers_of_m(m_v_layers, base)
-    mean = (bits_of(head_dim, m_k) + mean_bits(head_dim, m_v_layers)) / 2
-    return (f"K {bits_of(head_dim, m_k)} / V {bits_of(head_dim, base)} bits per element, "
-            + ", ".join(f"V {bits_of(head_dim, m)} in {layers_words(r)}" for m, r in where.items())
-            + f" ({mean:.3g} bits per element on average; Mk={m_k}, Mv={base}, "
-            + ", ".join(f"{m} in {r}" for m, r in where.items()) + ")")
+def describe_layers_m(head_dim: int, m_k_layers, m_v_layers) -> str:
+    """describe_m, with the layers whose K or V differs from the others': 'K 4 / V 2 bits
+    per element, V 4 in layers 18-23 (3.2 bits per element on average; Mk=32, Mv=16, 32
+    in 18-23)'."""
+    if len(set(m_k_layers)) == 1 and len(set(m_v_layers)) == 1:
+        return describe_m(head_dim, m_k_layers[0], m_v_layers[0])
+    parts = [(name, base_m(ms), layers_of_m(ms, base_m(ms)))
+             for name, ms in (("K", m_k_layers), ("V", m_v_layers))]
+    mean = (mean_bits(head_dim, m_k_layers) + mean_bits(head_dim, m_v_layers)) / 2
+    return (f"K {bits_of(head_dim, parts[0][1])} / V {bits_of(head_dim, parts[1][1])} bits "
+            "per element, "
+            + ", ".join(f"{name} {bits_of(head_dim, m)} in {layers_words(r)}"
+                        for name, _, where in parts for m, r in where.items())
+            + f" ({mean:.3g} bits per element on average; "
+            + ", ".join(f"M{name.lower()}={base}" + "".join(f", {m} in {r}" for m, r in where.items())
+                        for name, base, where in parts) + ")")
 
 
 def supported_m_text(head_dim: int) -> str:
@@ -143,23 +150,30 @@ class CodebookError(ValueError):
     pass
 
 
-def save_codebooks(path: str, k: torch.Tensor, v, cfg, extra: dict,
+def _per_layer(t, layers: int, heads: int, d: int) -> tuple[torch.Tensor, list[int]]:
+    """K's or V's centroids as the file holds them, and each layer's subspaces: ``t``
+    ``[layers, heads, M, 256, d/M]``, or a list of each layer's ``[heads, M, 256, d/M]``
+    (flattened to ``[layers, heads, 256 d]`` where the layers' M differ)."""
+    if torch.is_tensor(t):
+        t = list(t)
+    assert len(t) == layers, len(t)
+    ms = [x.shape[1] for x in t]
+    for m, x in zip(ms, t):
+        assert x.shape == (heads, m, NUM_CENTROIDS, d // m), x.shape
+    out = torch.stack(t) if len(set(ms)) == 1 else torch.stack([x.reshape(heads, -1) for x in t])
+    return out.float().contiguous(), ms
+
+
+def save_codebooks(path: str, k, v, cfg, extra: dict,
                    k_transform: torch.Tensor | None = None,
                    v_transform: torch.Tensor | None = None) -> None:
-    """``v``: ``[layers, kv_heads, Mv, 256, head_dim/Mv]``, or a list of each layer's
-    ``[kv_heads, Mv, 256, head_dim/Mv]`` where layers differ in Mv."""
-    assert k.dim() == 5 and k.shape[3] == NUM_CENTROIDS, k.shape
-    layers, heads, m_k, _, ds = k.shape
-    d = m_k * ds
-    if not torch.is_tensor(v):
-        assert len(v) == layers, len(v)
-        v = torch.stack(v) if len({t.shape for t in v}) == 1 else v
-    m_v_layers = ([t.shape[1] for t in v] if isinstance(v, list) else [v.shape[2]] * layers)
-    for m_v, t in zip(m_v_layers, v):
-        assert t.shape == (heads, m_v, NUM_CENTROIDS, d // m_v), t.shape
-    mixed = isinstance(v, list)
-    v = torch.stack([t.reshape(heads, -1) for t in v]) if mixed else v
-    tensors = {"k_centroids": k.float().contiguous(), "v_centroids": v.float().contiguous()}
+    """``k``, ``v``: ``[layers, kv_heads, M, 256, head_dim/M]``, or a list of each layer's
+    ``[kv_heads, M, 256, head_dim/M]`` where layers differ in M."""
+    layers, heads = len(k), k[0].shape[0]
+    d = k[0].shape[1] * k[0].shape[-1]
+    tensors, widths = {}, {}
+    for part, t in zip(PARTS, (k, v)):
+        tensors[f"{part}_centroids"], widths[part] = _per_layer(t, layers, heads, d)
     for name, t in zip(TRANSFORMS, (k_transform, v_transform)):
         if t is not None:
             assert t.shape == (layers, heads, d, d), (name, t.shape)
@@ -170,10 +184,9 @@ def save_codebooks(path: str, k: torch.Tensor, v, cfg, extra: dict,
         "fingerprint": fingerprint(fields),
         "fingerprint_fields": json.dumps(fields, sort_keys=True),
         "head_dim": str(d),
-        "m_k": str(m_k),
-        **({"m_v_layers": json.dumps(m_v_layers)} if mixed else {"m_v": str(m_v_layers[0])}),
-        "bits_k": str(bits_of(d, m_k)),
-        "bits_v": str(mean_bits(d, m_v_layers)),
+        **{(f"m_{part}_layers" if len(set(ms)) > 1 else f"m_{part}"):
+           (json.dumps(ms) if len(set(ms)) > 1 else str(ms[0])) for part, ms in widths.items()},
+        **{f"bits_{part}": str(mean_bits(d, ms)) for part, ms in widths.items()},
         "k_post_rope": "true",
         "num_layers": str(layers),
         "num_kv_heads": str(heads),
@@ -187,7 +200,7 @@ def save_codebooks(path: str, k: torch.Tensor, v, cfg, extra: dict,
 @dataclass(frozen=True)
 class CodebookInfo:
     path: str
-    m_k: int  # K subspaces per head
+    m_k_layers: tuple[int, ...]  # K subspaces per head, of each layer
     m_v_layers: tuple[int, ...]  # V subspaces per head, of each layer
     head_dim: int
     num_layers: int
@@ -197,9 +210,29 @@ class CodebookInfo:
     transforms: tuple[str, ...] = ()  # which of TRANSFORMS the file has
 
     @property
+    def m_k(self) -> int | None:
+        """K subspaces per head if every layer has the same, else None (m_k_layers)."""
+        return self.m_k_layers[0] if len(set(self.m_k_layers)) == 1 else None
+
+    @property
     def m_v(self) -> int | None:
         """V subspaces per head if every layer has the same, else None (m_v_layers)."""
         return self.m_v_layers[0] if len(set(self.m_v_layers)) == 1 else None
+
+    @property
+    def uniform(self) -> bool:
+        """Whether every layer has the same K and V subspaces (and so pages)."""
+        return self.m_k is not None and self.m_v is not None
+
+    @property
+    def pairs(self) -> list[tuple[int, int]]:
+        """(Mk, Mv) of each layer."""
+        return list(zip(self.m_k_layers, self.m_v_layers))
+
+    @property
+    def bits_k(self) -> float:
+        """K's bits per element, averaged over the layers."""
+        return mean_bits(self.head_dim, self.m_k_layers)
 
     @property
     def bits_v(self) -> float:
@@ -207,7 +240,7 @@ class CodebookInfo:
         return mean_bits(self.head_dim, self.m_v_layers)
 
     def describe(self) -> str:
-        return describe_layers_m(self.head_dim, self.m_k, self.m_v_layers)
+        return describe_layers_m(self.head_dim, self.m_k_layers, self.m_v_layers)
 
 
 def read_info(path: str) -> CodebookInfo:
@@ -254,20 +287,25 @@ def _read_info(path: str, _mtime_ns: int, _size: int) -> CodebookInfo:
             raise _damaged(path, f"metadata {key}={value} is not positive")
         return value
 
-    m_k = number("m_k", "m")
     d, layers, heads = number("head_dim"), number("num_layers"), number("num_kv_heads")
-    mixed = "m_v_layers" in meta
-    if mixed:
+
+    def widths(part: str) -> list[int]:
+        """Each layer's subspaces of K or V: m_<part>_layers, or m_<part> in every layer."""
+        key = f"m_{part}_layers"
+        if key not in meta:
+            return [number(f"m_{part}", "m")] * layers
         try:
-            m_v_layers = json.loads(meta["m_v_layers"])
+            ms = json.loads(meta[key])
         except json.JSONDecodeError:
-            m_v_layers = None
-        if (not isinstance(m_v_layers, list) or len(m_v_layers) != layers
-                or not all(isinstance(m, int) and m > 0 for m in m_v_layers)):
-            raise _damaged(path, f"metadata m_v_layers={meta['m_v_layers']!r} is not a list of "
+            ms = None
+        if (not isinstance(ms, list) or len(ms) != layers
+                or not all(isinstance(m, int) and m > 0 for m in ms)):
+            raise _damaged(path, f"metadata {key}={meta[key]!r} is not a list of "
                                  f"{layers} positive integers (one per layer)")
-    else:
-        m_v_layers = [number("m_v", "m")] * layers
+        return ms
+
+    ms = {part: widths(part) for part in PARTS}
+    mixed = {part: f"m_{part}_layers" in meta for part in PARTS}
     for key in ("fingerprint", "fingerprint_fields"):
         if key not in meta:
             raise _damaged(path, f"its metadata has no {key!r}")
@@ -282,26 +320,28 @@ def _read_info(path: str, _mtime_ns: int, _size: int) -> CodebookInfo:
         if key in fields and fields[key] != have:
             raise _damaged(path, f"fingerprint_fields says {key}={fields[key]!r}, the "
                                  f"header {have}")
-    for m in (m_k, *sorted(set(m_v_layers))):
+    for m in sorted(set(ms["k"] + ms["v"])):
         if d % m:
             raise _damaged(path, f"head_dim {d} is not a multiple of its {m} subspaces")
-    want = {"k_centroids": [layers, heads, m_k, NUM_CENTROIDS, d // m_k],
-            "v_centroids": [layers, heads, NUM_CENTROIDS * d] if mixed else
-            [layers, heads, m_v_layers[0], NUM_CENTROIDS, d // m_v_layers[0]]}
+    want = {f"{part}_centroids": [layers, heads, NUM_CENTROIDS * d] if mixed[part] else
+            [layers, heads, ms[part][0], NUM_CENTROIDS, d // ms[part][0]] for part in PARTS}
     want.update({name: [layers, heads, d, d] for name in TRANSFORMS if name in shapes})
-    m_v_text = f"m_v_layers {m_v_layers}" if mixed else f"m_v {m_v_layers[0]}"
+    m_text = ", ".join(f"m_{part}_layers {ms[part]}" if mixed[part] else f"m_{part} {ms[part][0]}"
+                       for part in PARTS)
     for name, shape in want.items():
         if shapes[name] != shape:
             raise _damaged(path, f"{name} has shape {shapes[name]}, its metadata (num_layers "
-                                 f"{layers}, num_kv_heads {heads}, head_dim {d}, m_k {m_k}, "
-                                 f"{m_v_text}) says {shape}")
+                                 f"{layers}, num_kv_heads {heads}, head_dim {d}, "
+                                 f"{m_text}) says {shape}")
         if dtypes[name] not in FLOAT_DTYPES:
             raise _damaged(path, f"{name} is {dtypes[name]}, not floating point")
-    with safe_open(path, framework="pt") as f:  # subspace 0, where the marker is: a small read
-        sub0 = [f.get_slice("k_centroids")[:, :, 0].unsqueeze(2)]
-        v_sub = f.get_slice("v_centroids")
-        sub0 += ([v_sub[i, :, : NUM_CENTROIDS * d // m].view(heads, 1, NUM_CENTROIDS, -1)
-                  for i, m in enumerate(m_v_layers)] if mixed else [v_sub[:, :, 0].unsqueeze(2)])
+    sub0 = []  # subspace 0, where the marker is: a small read
+    with safe_open(path, framework="pt") as f:
+        for part in PARTS:
+            t = f.get_slice(f"{part}_centroids")
+            sub0 += ([t[i, :, : NUM_CENTROIDS * d // m].view(heads, 1, NUM_CENTROIDS, -1)
+                      for i, m in enumerate(ms[part])] if mixed[part] else
+                     [t[:, :, 0].unsqueeze(2)])
     if not all(nan_code_free(c) for c in sub0):
         logger.warning(
             "PQ codebooks %s: code %d of subspace 0 holds a trained centroid, which serving "
@@ -310,8 +350,8 @@ def _read_info(path: str, _mtime_ns: int, _size: int) -> CodebookInfo:
             path, NAN_CODE, calibrate_hint())
     return CodebookInfo(
         path=path,
-        m_k=m_k,
-        m_v_layers=tuple(m_v_layers),
+        m_k_layers=tuple(ms["k"]),
+        m_v_layers=tuple(ms["v"]),
         head_dim=d,
         num_layers=layers,
         num_kv_heads=heads,
@@ -327,18 +367,18 @@ def validate(info: CodebookInfo, cfg, want_m: int | None, want_m_v: int | None,
     kernels)."""
     fields = fingerprint_fields(cfg)
     problems = []
-    for name, want, have in (("M", want_m, info.m_k),
-                             ("Mv", want_m_v, info.m_v or f"one per layer, {info.describe()}")):
+    for name, want, have in (("M", want_m, info.m_k), ("Mv", want_m_v, info.m_v)):
         if want is not None and want != have:
-            problems.append(f"{name}: file has {have}, configuration asks for {want}")
+            problems.append(f"{name}: file has {have or f'one per layer, {info.describe()}'}, "
+                            f"configuration asks for {want}")
     if info.head_dim != fields["head_dim"]:
         problems.append(f"head_dim: file {info.head_dim}, model {fields['head_dim']}")
     else:
-        for m_v in sorted(set(info.m_v_layers)):
-            if (info.m_k, m_v) not in supported_m(info.head_dim):
-                where = ("" if info.m_v else
-                         f" ({layers_words(layers_of_m(info.m_v_layers)[m_v])})")
-                problems.append(f"the file's Mk={info.m_k}, Mv={m_v}{where} is not a supported "
+        for m_k, m_v in sorted(set(info.pairs)):
+            if (m_k, m_v) not in supported_m(info.head_dim):
+                where = ("" if info.uniform else
+                         f" ({layers_words(layers_of_m(info.pairs)[(m_k, m_v)])})")
+                problems.append(f"the file's Mk={m_k}, Mv={m_v}{where} is not a supported "
                                 f"setting (head_dim {info.head_dim}: "
                                 f"{supported_m_text(info.head_dim)})")
     if info.fingerprint != fingerprint(fields):
@@ -370,16 +410,16 @@ def _finite(info: CodebookInfo, layer: int, name: str, t: torch.Tensor) -> torch
 
 def load_layer(info: CodebookInfo, layer: int, heads: slice) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 K and V centroids of one layer, ``[heads, Mk, 256, head_dim/Mk]`` and
-    ``[heads, Mv, 256, head_dim/Mv]`` (this layer's Mv); a non-finite centroid is refused
+    ``[heads, Mv, 256, head_dim/Mv]`` (this layer's Mk and Mv); a non-finite centroid is refused
     (CodebookError)."""
     _layer_index(info, layer)
+    out = []
     with safe_open(info.path, framework="pt") as f:
-        k = f.get_slice("k_centroids")[layer, heads]
-        v = f.get_slice("v_centroids")[layer, heads]
-    m_v = info.m_v_layers[layer]
-    v = v.reshape(v.shape[0], m_v, NUM_CENTROIDS, info.head_dim // m_v)
-    return (_finite(info, layer, "K centroids", k.float().contiguous()),
-            _finite(info, layer, "V centroids", v.float().contiguous()))
+        for part, m in zip(PARTS, (info.m_k_layers[layer], info.m_v_layers[layer])):
+            t = f.get_slice(f"{part}_centroids")[layer, heads]
+            t = t.reshape(t.shape[0], m, NUM_CENTROIDS, info.head_dim // m)
+            out.append(_finite(info, layer, f"{part.upper()} centroids", t.float().contiguous()))
+    return tuple(out)
 
 
 def nan_marked(centroids: torch.Tensor) -> torch.Tensor:

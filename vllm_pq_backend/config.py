@@ -62,11 +62,11 @@ def layer_runs(ids) -> str:
     return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
 
 
-def layers_of_m(m_v_layers, other_than=None) -> dict[int, str]:
-    """{Mv: its layers as layer_runs text} for each V width in ``m_v_layers`` (one per
-    layer) other than ``other_than``, the widest first."""
-    return {m: layer_runs(i for i, x in enumerate(m_v_layers) if x == m)
-            for m in sorted(set(m_v_layers) - {other_than}, reverse=True)}
+def layers_of_m(m_layers, other_than=None) -> dict:
+    """{M: its layers as layer_runs text} for each width in ``m_layers`` (one per layer)
+    other than ``other_than``, the widest first."""
+    return {m: layer_runs(i for i, x in enumerate(m_layers) if x == m)
+            for m in sorted(set(m_layers) - {other_than}, reverse=True)}
 
 
 def layers_words(runs: str) -> str:
@@ -75,14 +75,16 @@ def layers_words(runs: str) -> str:
 
 
 def default_codebook_path(model_dir: str, m_k: int, m_v: int | None = None,
-                          m_v_layers=None) -> str:
-    """MODEL/pq/codebooks_m<Mk>[_v<Mv>][_v<Mv>l<layers>...].safetensors; the last part
-    names the layers whose V differs from ``m_v`` (``m_v_layers``: each layer's)."""
+                          m_v_layers=None, m_k_layers=None) -> str:
+    """MODEL/pq/codebooks_m<Mk>[_v<Mv>][_k<Mk>l<layers>...][_v<Mv>l<layers>...].safetensors;
+    the last parts name the layers whose K differs from ``m_k`` and whose V from ``m_v``
+    (``m_k_layers``, ``m_v_layers``: each layer's)."""
     # In a subfolder: vLLM loads every top-level *.safetensors of a model as weights.
-    v = "" if m_v in (None, m_k) else f"_v{m_v}"
-    for mv, runs in layers_of_m(m_v_layers or (), m_v or m_k).items():
-        v += f"_v{mv}l{runs}"
-    return os.path.join(model_dir, "pq", f"codebooks_m{m_k}{v}.safetensors")
+    name = f"m{m_k}" + ("" if m_v in (None, m_k) else f"_v{m_v}")
+    for part, base, ms in (("k", m_k, m_k_layers), ("v", m_v or m_k, m_v_layers)):
+        for m, runs in layers_of_m(ms or (), base).items():
+            name += f"_{part}{m}l{runs}"
+    return os.path.join(model_dir, "pq", f"codebooks_{name}.safetensors")
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ class EngineConfig:
         self.head_size = mc.get_head_size()
         self.codebooks = codebooks.read_info(self.user.codebook_file(self.head_size))
         codebooks.validate(self.codebooks, mc.hf_config, self.user.m_k, self.user.m_v, mc.model)
-        self.m_k = self.codebooks.m_k  # K subspaces per head
+        self.m_k_layers = self.codebooks.m_k_layers  # K subspaces per head, of each layer
         self.m_v_layers = self.codebooks.m_v_layers  # V subspaces per head, of each layer
         self.exact = self.user.exact  # exact store entries per page and KV head
         self.max_model_len = mc.max_model_len
@@ -86,12 +86,17 @@ class EngineConfig:
 
     def layout(self, layer: int, block_size: int | None = None) -> PageLayout:
         """Layer ``layer``'s page layout at ``block_size`` (default: the engine's)."""
-        return PageLayout(block_size or self.block_size, self.m_k, self.m_v_layers[layer],
-                          self.head_size, self.exact)
+        return PageLayout(block_size or self.block_size, self.m_k_layers[layer],
+                          self.m_v_layers[layer], self.head_size, self.exact)
 
     @property
     def has_sliding_layers(self) -> bool:
         return self._sliding_window is not None
+
+    @property
+    def m_k(self) -> int | None:
+        """K subspaces per head if every layer has the same (else None: m_k_layers)."""
+        return self.codebooks.m_k
 
     @property
     def m_v(self) -> int | None:

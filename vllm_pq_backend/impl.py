@@ -353,9 +353,9 @@ def _log_memory(impl: PQAttentionImpl, st: LayerState) -> None:
         dense, dense / per_token, window, books / 2**20, st.prefill_scratch / 2**20,
         st.decode_workspace / 2**20,
     )
-    if cfg.m_v is None and cfg.has_sliding_layers:
+    if not cfg.codebooks.uniform and cfg.has_sliding_layers:
         logger.warning(
-            "vllm_pq_backend: codebooks %s give V different bits by layer on a model with "
+            "vllm_pq_backend: codebooks %s give different bits by layer on a model with "
             "sliding-window layers, whose KV cache groups vLLM pads to one page size: every "
             "layer takes the largest layer's bytes per token, so the layers with fewer bits "
             "save no memory.", cfg.codebooks.path)

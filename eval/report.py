@@ -982,6 +982,11 @@ def long_context_retrieval() -> str:
     return retrieval_table("long_context.json")
 
 
+@table("kv-allocation-retrieval")
+def kv_allocation_retrieval() -> str:
+    return retrieval_table("long_allocation.json")
+
+
 @table("long-exact-retrieval")
 def long_exact_retrieval() -> str:
     return retrieval_table("long_exact.json")

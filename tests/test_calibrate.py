@@ -173,21 +173,27 @@ def test_calibrate_v_bits_by_layer(tmp_path, capsys):
     assert codebooks.read_info(str(tmp_path / "u.safetensors")).m_v == 16
 
 
+def calibrated_by_cost(tmp_path, flag: str):
+    """The tiny model calibrated with ``flag`` 2.5 (--bits-v-mean, --bits-mean) on CPU: the
+    file's header, checked against the model, and its calibration metadata."""
+    model = tiny_model(tmp_path / "model")
+    (tmp_path / "a.txt").write_text("the lazy dog jumps over the quick brown fox " * 80)
+    out = tmp_path / "auto.safetensors"
+    assert main(["--model", model, "--text", str(tmp_path / "a.txt"), flag, "2.5",
+                 "--tokens", "1000", "--samples", "600", "--seq-len", "256", "--niter", "2",
+                 "--device", "cpu", "--dtype", "float32", "--out", str(out)]) == 0
+    info = codebooks.read_info(str(out))
+    codebooks.validate(info, hf_config(model), None, None, model)
+    return info, codebooks.calibration_of(info)
+
+
 def test_calibrate_chooses_v_bits_by_cost(tmp_path, capsys):
     """--bits-v-mean 2.5: each layer's V is trained at 4, 2 and 1 bits, its cost to the loss
     measured through a backward pass, and the cheapest choice for the mean written, with
     the costs, as a file whose layers' bits are what the allocation picked."""
     from vllm_pq_backend.calibrate import allocate_bits
 
-    model = tiny_model(tmp_path / "model")
-    (tmp_path / "a.txt").write_text("the lazy dog jumps over the quick brown fox " * 80)
-    out = tmp_path / "auto.safetensors"
-    assert main(["--model", model, "--text", str(tmp_path / "a.txt"), "--bits-v-mean", "2.5",
-                 "--tokens", "1000", "--samples", "600", "--seq-len", "256", "--niter", "2",
-                 "--device", "cpu", "--dtype", "float32", "--out", str(out)]) == 0
-    info = codebooks.read_info(str(out))
-    codebooks.validate(info, hf_config(model), None, None, model)
-    cal = codebooks.calibration_of(info)
+    info, cal = calibrated_by_cost(tmp_path, "--bits-v-mean")
     costs = [{float(b): c for b, c in layer.items()} for layer in cal["v_cost"]]
     assert cal["bits_v_mean"] == 2.5 and [sorted(c) for c in costs] == [[1.0, 2.0, 4.0]] * 2
     # layer 0's values are a function of the token alone, and the text has a few dozen
@@ -207,15 +213,7 @@ def test_calibrate_chooses_k_and_v_bits_by_cost(tmp_path, capsys):
     4/2, 4/4); the file holds each layer's K and V at its pair's widths, and serves."""
     from vllm_pq_backend.calibrate import allocate_bits
 
-    model = tiny_model(tmp_path / "model")
-    (tmp_path / "a.txt").write_text("the lazy dog jumps over the quick brown fox " * 80)
-    out = tmp_path / "auto.safetensors"
-    assert main(["--model", model, "--text", str(tmp_path / "a.txt"), "--bits-mean", "2.5",
-                 "--tokens", "1000", "--samples", "600", "--seq-len", "256", "--niter", "2",
-                 "--device", "cpu", "--dtype", "float32", "--out", str(out)]) == 0
-    info = codebooks.read_info(str(out))
-    codebooks.validate(info, hf_config(model), None, None, model)
-    cal = codebooks.calibration_of(info)
+    info, cal = calibrated_by_cost(tmp_path, "--bits-mean")
     assert cal["bits_mean"] == 2.5 and "bits_v_mean" not in cal
     costs = {part: [{float(b): c for b, c in layer.items()} for layer in cal[f"{part}_cost"]]
              for part in "kv"}

@@ -1,7 +1,7 @@
 """Train PQ codebooks for a model from local calibration text.
 
     python -m vllm_pq_backend.calibrate --model MODEL_DIR --text DOCS_DIR_OR_FILES \
-        [--bits 4] [--bits-v 2]
+        [--bits 4] [--bits-v 2] [--bits-v-mean 2 | --bits-mean 3]
 
 Runs the model (transformers, offline) over the text and records, per layer and KV head,
 K and V exactly as attention sees them, and how attention uses them: the query second

@@ -478,10 +478,10 @@ def _coded_split_attention(window, grads):
 @pytest.mark.parametrize("make", [tiny_gemma3, tiny_gpt_oss])
 def test_fisher_capture_gives_the_gradients_of_coded_reads(make):
     """capture(fisher=True) backpropagates each sequence's loss through KVCapture's own
-    backward (blockwise, probabilities recomputed): on a tiny Gemma 3 and gpt-oss (sliding
-    window, learned sinks) the input gradient equals eager attention's under autograd, and
-    the recorded rows equal d loss / d K and d loss / d V through coded reads only, per
-    row, in every layer."""
+    backward (blockwise, probabilities recomputed), the decoder layers checkpointed: on a
+    tiny Gemma 3 and gpt-oss (sliding window, learned sinks) the input gradient equals eager
+    attention's under autograd, the recorded rows equal d loss / d K and d loss / d V
+    through coded reads only, per row, in every layer, and each layer records once."""
     from transformers import AttentionInterface
 
     from vllm_pq_backend.calibrate import KVCapture, _loss_backward
@@ -498,12 +498,19 @@ def test_fisher_capture_gives_the_gradients_of_coded_reads(make):
 
     cap = KVCapture(2, keep_fraction=0.5, seed=0, window=window, fisher=True)
     cap.query_block = 7
-    AttentionInterface.register(KVCapture.NAME, cap)
+    calls = []
+
+    def counted(module, *args, **kwargs):
+        calls.append(module.layer_idx)
+        return cap(module, *args, **kwargs)
+
+    AttentionInterface.register(KVCapture.NAME, counted)
     model.config._attn_implementation = KVCapture.NAME
     with torch.no_grad():
         cap.new_sequence(1, sink_pass=True)
         model(ids[:, :1])
     cap.new_sequence(t)
+    calls.clear()
     seen = []  # the leaf _loss_backward starts the graph from
     model.get_decoder().register_forward_pre_hook(
         lambda mod, args, kwargs: seen.append(kwargs["inputs_embeds"]), with_kwargs=True)
@@ -511,6 +518,9 @@ def test_fisher_capture_gives_the_gradients_of_coded_reads(make):
         _loss_backward(model, ids)
     got = seen[0].grad
     assert ((got - emb.grad).abs() <= 1e-5 * emb.grad.abs().amax()).all()
+    # the layers were checkpointed (run again in backward), and recorded once
+    assert sorted(calls) == [0, 0, 1, 1] and not any(m.training for m in model.modules())
+    assert all(len(getattr(st, x)) == 1 for st in cap.layers for x in ("k", "mass", "gk", "gv"))
     for i, st in enumerate(cap.layers):
         for name, z in zip(("gk", "gv"), grads[i]):
             want = z.grad[0][:, cap.rows].transpose(0, 1)  # [n, H, d]

@@ -411,12 +411,16 @@ class KVCapture:
         self.query_block = QUERY_BLOCK
         self.rope: tuple | None = None  # (cos, sin) [T, d] of the current sequence
         self.sink_pass = False
+        # layers that recorded the current sequence: a checkpointed layer runs again in
+        # backward (_layers_checkpointed), and that second run records nothing
+        self.recorded: set[int] = set()
 
     def new_sequence(self, length: int, rope=None, sink_pass: bool = False) -> None:
         n = max(1, round(length * self.keep))
         self.rows = torch.randperm(length, generator=self.gen)[:n]
         self.rope = rope
         self.sink_pass = sink_pass
+        self.recorded = set()
 
     def __call__(self, module, query, key, value, attention_mask, scaling=None,
                  sliding_window=None, softcap=None, **kwargs):
@@ -426,6 +430,8 @@ class KVCapture:
             raise CalibrationError("attention logit soft-capping is not supported by the "
                                    "CUSTOM backend (nor by its calibration)")
         st = self.layers[module.layer_idx]
+        record = module.layer_idx not in self.recorded and not self.sink_pass
+        self.recorded.add(module.layer_idx)
         hq, hkv, t, d = query.shape[1], key.shape[1], key.shape[2], key.shape[-1]
         g = hq // hkv
         # detached: the statistics build no graph; with fisher, _CodedReads is the gradient
@@ -448,7 +454,7 @@ class KVCapture:
             qb = q[:, lo:hi]
             p = blocks.probs(qb, kr, lo, hi)
             out[:, lo:hi] = p @ vr
-            if self.sink_pass:
+            if not record:
                 continue
             pc = p * blocks.coded(lo, hi)
             mass += pc.sum(1)
@@ -461,6 +467,8 @@ class KVCapture:
         if self.fisher and torch.is_grad_enabled():
             out = _CodedReads.apply(query, key, value, out, blocks, st, rows)
         out = out.transpose(0, 1)[None].to(query.dtype)  # [1, T, Hq, d]
+        if not record:  # the recomputation of a checkpointed layer
+            return out, None
         mass = mass.view(hkv, g, t).sum(1)  # [Hkv, T]
         qa = qa.view(hkv, g, d, d).sum(1)
         st.qa = qa.double().cpu() if st.qa is None else st.qa + qa.double().cpu()
@@ -480,15 +488,43 @@ class KVCapture:
 LOSS_CHUNK = 1024  # positions whose logits exist at once in _loss_backward
 
 
+@contextlib.contextmanager
+def _layers_checkpointed(model):
+    """The model's decoder layers recompute their activations in backward (transformers'
+    GradientCheckpointingLayer, torch's non-reentrant checkpoint) instead of keeping them,
+    so that the loss's backward holds each layer's input and one layer's activations at a
+    time, not every layer's: an 8B model's activations at 32K tokens alone would fill a
+    GPU. Only the layers themselves are put in training mode (their gate for it); their
+    submodules, dropout among them, stay in eval mode."""
+    from functools import partial
+
+    from torch.utils.checkpoint import checkpoint
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    before = [(m.training, m.gradient_checkpointing, m.__dict__.get("_gradient_checkpointing_func"))
+              for m in layers]
+    for m in layers:
+        m.training, m.gradient_checkpointing = True, True
+        m._gradient_checkpointing_func = partial(checkpoint, use_reentrant=False)
+    try:
+        yield
+    finally:
+        for m, (training, on, func) in zip(layers, before):
+            m.training, m.gradient_checkpointing = training, on
+            if func is None:
+                m.__dict__.pop("_gradient_checkpointing_func", None)
+            else:
+                m._gradient_checkpointing_func = func
+
+
 def _loss_backward(model, ids: torch.Tensor) -> None:
     """Backpropagate the sequence's next-token loss (summed) to its K and V, for
-    KVCapture's Fisher rows. The logits are made a chunk of positions at a time and
-    recomputed in backward (a 32K-token sequence of a 262K-word vocabulary would
-    otherwise hold tens of GB of them)."""
+    KVCapture's Fisher rows, the decoder layers checkpointed (_layers_checkpointed). The
+    logits are made a chunk of positions at a time and recomputed in backward (a 32K-token
+    sequence of a 262K-word vocabulary would otherwise hold tens of GB of them)."""
     from torch.utils.checkpoint import checkpoint
 
-    emb = model.get_input_embeddings()(ids).detach().requires_grad_()  # a graph to the start
-    hidden = model.get_decoder()(inputs_embeds=emb).last_hidden_state[0]
     head, cap = model.get_output_embeddings(), getattr(model.config.get_text_config(),
                                                        "final_logit_softcapping", None)
 
@@ -498,11 +534,14 @@ def _loss_backward(model, ids: torch.Tensor) -> None:
             logits = torch.tanh(logits / cap) * cap
         return torch.nn.functional.cross_entropy(logits, target, reduction="sum")
 
+    emb = model.get_input_embeddings()(ids).detach().requires_grad_()  # a graph to the start
     n = ids.shape[1] - 1
-    loss = sum(checkpoint(chunk_loss, hidden[a : min(a + LOSS_CHUNK, n)],
-                          ids[0, a + 1 : min(a + LOSS_CHUNK, n) + 1], use_reentrant=False)
-               for a in range(0, n, LOSS_CHUNK))
-    loss.backward()
+    with _layers_checkpointed(model):
+        hidden = model.get_decoder()(inputs_embeds=emb, use_cache=False).last_hidden_state[0]
+        loss = sum(checkpoint(chunk_loss, hidden[a : min(a + LOSS_CHUNK, n)],
+                              ids[0, a + 1 : min(a + LOSS_CHUNK, n) + 1], use_reentrant=False)
+                   for a in range(0, n, LOSS_CHUNK))
+        loss.backward()
 
 
 def capture(model, tok, seqs, keep_fraction: float, seed: int, window: int, device,
@@ -1037,9 +1076,11 @@ def choose_bits(stats, d: int, pairs: list[tuple[int, int]], mean: float, method
                            for parts, (mk, mv) in zip(trained, chosen)]
 
 
-# With the loss's backward pass (--bits-v-mean) the capture takes about three times as long
-# (SmolLM2-135M on a CPU: 14.6 s forward, 44.2 s forward and backward for 4096 tokens).
-BACKWARD_FACTOR = 3
+# With the loss's backward pass (--bits-v-mean, --bits-mean), its layers recomputed, the
+# capture takes about four times as long (SmolLM2-135M on a CPU, two 2048-token
+# sequences: 18.8 s forward, 77.5 s forward and backward; 69.0 s without recomputing the
+# layers, at a peak of 3.0 GB of process memory against 1.8 GB).
+BACKWARD_FACTOR = 4
 
 
 def cpu_warning(params: int, tokens: int, backward: bool = False) -> str:

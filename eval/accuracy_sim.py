@@ -37,7 +37,7 @@ precision, one idea each (what it would be worth, and where the error sits):
 calibrated on that text) measures each layer's cost of K and of V at every width the files
 give, from one Fisher capture of --calib (calibrate.coding_cost), chooses per layer the
 pair of widths the kernels build of least summed cost for a mean of at most BITS per
-element (calibrate.allocate_bits, as calibrate --bits-v-mean does for V), and scores it with
+element (calibrate.allocate_pairs, as calibrate --bits-mean does), and scores it with
 each layer's K and V read through the file of its widths: what K and V bits by layer would
 be worth.
 
@@ -285,7 +285,7 @@ def allocate(a, stats, files, score, d, dev) -> None:
     """--allocate: each layer's K and V cost at every width the files give
     (calibrate.coding_cost, from the Fisher capture of --calib), then for each mean the
     pair of widths per layer, among those the kernels build (layout.BIT_RATES), of least
-    summed cost (calibrate.allocate_bits), scored with each layer's K and V read through
+    summed cost (calibrate.allocate_pairs), scored with each layer's K and V read through
     the file of its widths."""
     from vllm_pq_backend.layout import BIT_RATES, bits_of
 
@@ -296,15 +296,13 @@ def allocate(a, stats, files, score, d, dev) -> None:
         parts["k"].setdefault(bits_of(d, info.m_k), (path, books))
         parts["v"].setdefault(bits_of(d, info.m_v), (path, books))
     pairs = [(bk, bv) for bk, bv in BIT_RATES if bk in parts["k"] and bv in parts["v"]]
-    mean_of = {(bk + bv) / 2: (bk, bv) for bk, bv in pairs}  # distinct for BIT_RATES
     costs = [{part: {b: calibrate.coding_cost(st, part, books[part][i], books[f"{part}_transform"][i], dev)
                      for b, (_, books) in parts[part].items()} for part in "kv"}
              for i, st in enumerate(stats)]
     pinned = stats[0].sink is not None
     for mean in a.allocate:
-        chosen = calibrate.allocate_bits(
-            [{m: c["k"][bk] + c["v"][bv] for m, (bk, bv) in mean_of.items()} for c in costs], mean)
-        layers = [mean_of[m] for m in chosen]
+        layers = calibrate.allocate_pairs([c["k"] for c in costs], [c["v"] for c in costs],
+                                          pairs, mean)
         mixed = {key: [] for key in ("k", "v", "k_transform", "v_transform")}
         for i, (bk, bv) in enumerate(layers):
             for part, b in (("k", bk), ("v", bv)):

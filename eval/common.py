@@ -210,6 +210,13 @@ def layer_bits_words(meta: dict) -> str:
                    for part in "kv" for b, r in (meta.get(f"{part}_layers") or {}).items())
 
 
+def layer_widths(meta: dict) -> list[tuple[int, int]]:
+    """(Mk, Mv) of each layer of a codebook file (codebook_meta's fields)."""
+    n = len(meta.get("m_k_layers") or meta.get("m_v_layers") or [0])
+    return list(zip(meta.get("m_k_layers") or [meta["m_k"]] * n,
+                    meta.get("m_v_layers") or [meta["m_v"]] * n))
+
+
 def custom_engines(paths: list[str], windows: list[int], exacts: list[int],
                    block_size: int = 128) -> list[tuple[str, dict, dict]]:
     """(label, meta, LLM arguments) of a CUSTOM engine for every codebook file, window and
@@ -223,10 +230,8 @@ def custom_engines(paths: list[str], windows: list[int], exacts: list[int],
         meta = codebook_meta(path)
         for w in windows:
             for p in exacts:
-                n = len(meta.get("m_k_layers") or meta.get("m_v_layers") or [0])
                 lays = [PageLayout(block_size, mk, mv, meta["head_dim"], p)
-                        for mk, mv in zip(meta.get("m_k_layers") or [meta["m_k"]] * n,
-                                          meta.get("m_v_layers") or [meta["m_v"]] * n)]
+                        for mk, mv in layer_widths(meta)]
                 mean = lambda xs: sum(xs) / len(lays)  # noqa: E731  (over the layers)
                 bk, bv = (mean(x) for x in zip(*(lay.bits() for lay in lays)))
                 m = dict(meta, window=w, exact=p,

@@ -26,7 +26,7 @@ import re
 import sys
 from pathlib import Path
 
-from common import calibration, calibration_words, exact_words, layer_bits_words, size  # eval/ is the script's directory
+from common import calibration, calibration_words, exact_words, layer_bits_words, layer_widths, size  # eval/ is the script's directory
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "eval" / "results"
@@ -209,10 +209,7 @@ def kv_allocation_layers() -> str:
         if not (r.get("m_k_layers") or r.get("m_v_layers")) or r["codebook_sha256"] in seen:
             continue
         seen.add(r["codebook_sha256"])
-        n = len(r.get("m_k_layers") or r["m_v_layers"])
-        bits = lambda m: 8 * m / r["head_dim"]  # noqa: E731
-        layers = [(bits(mk), bits(mv)) for mk, mv in zip(r.get("m_k_layers") or [r["m_k"]] * n,
-                                                      r.get("m_v_layers") or [r["m_v"]] * n)]
+        layers = [(8 * mk / r["head_dim"], 8 * mv / r["head_dim"]) for mk, mv in layer_widths(r)]
         body.append([f"{(r['bits_k'] + r['bits_v']) / 2:g}", chosen_words(r).removeprefix(", "),
                      pairs_by_layer(layers), r["codebook_sha256"]])
     return "\n".join([md(["bits per element", "chosen", "K and V bits by layer", "codebook sha256"],

@@ -1046,32 +1046,41 @@ def pair_bits(head_dim: int, pair: tuple[int, int]) -> float:
     return (bits_of(head_dim, pair[0]) + bits_of(head_dim, pair[1])) / 2
 
 
+def allocate_pairs(k_costs: list[dict], v_costs: list[dict], pairs: list[tuple], mean: float
+                   ) -> list[tuple]:
+    """Each layer's (K bits, V bits) among ``pairs`` so that the layers' mean of (K + V) / 2
+    is at most ``mean`` and the summed cost of their K and V (``k_costs``, ``v_costs``: per
+    layer, bits -> cost) is least: allocate_bits over the pairs' means, which differ."""
+    by_mean = {(bk + bv) / 2: (bk, bv) for bk, bv in pairs}
+    assert len(by_mean) == len(pairs), pairs
+    chosen = allocate_bits([{b: ck[bk] + cv[bv] for b, (bk, bv) in by_mean.items()}
+                            for ck, cv in zip(k_costs, v_costs)], mean)
+    return [by_mean[b] for b in chosen]
+
+
 def choose_bits(stats, d: int, pairs: list[tuple[int, int]], mean: float, method_at,
                 seed: int, device, progress: bool = True):
     """Each layer's (Mk, Mv) among ``pairs`` for ``--bits-mean`` (``--bits-v-mean``: the
     pairs with K's width): K and V trained at every width the pairs have, each one's cost
     to the loss measured (coding_cost), the cheapest choice for a mean of at most ``mean``
-    bits per element (allocate_bits; the pairs' means differ). Returns each layer's pair,
-    the costs of K and of V by layer and bits, and each layer's chosen (K, V) as trained
-    (for train's parts)."""
+    bits per element (allocate_pairs). Returns each layer's pair, the costs of K and of V by
+    layer and bits, and each layer's chosen (K, V) as trained (for train's parts)."""
     from tqdm import tqdm
 
-    by_bits = {pair_bits(d, p): p for p in pairs}
-    assert len(by_bits) == len(pairs), pairs
+    # K's training settings do not depend on V's bits: any width's method trains it
+    methods = {"k": lambda m: method_at(pairs[-1][1]), "v": method_at}
     costs, trained = {"k": [], "v": []}, []
     for st in tqdm(stats, desc="K's and V's cost by layer and bits", unit="layer",
                    disable=not progress):
         parts = {}
         for part, widths in (("k", {mk for mk, _ in pairs}), ("v", {mv for _, mv in pairs})):
-            # K's training settings do not depend on V's bits: any method_at serves it
-            parts[part] = {m: _train_part(st, part, m, method_at(m if part == "v" else pairs[-1][1]),
-                                          seed, device) for m in sorted(widths)}
+            parts[part] = {m: _train_part(st, part, m, methods[part](m), seed, device)
+                           for m in sorted(widths)}
             costs[part].append({bits_of(d, m): coding_cost(st, part, c, t, device)
                                 for m, (c, t, _) in parts[part].items()})
         trained.append(parts)
-    pair_cost = [{b: ck[bits_of(d, mk)] + cv[bits_of(d, mv)] for b, (mk, mv) in by_bits.items()}
-                 for ck, cv in zip(costs["k"], costs["v"])]
-    chosen = [by_bits[b] for b in allocate_bits(pair_cost, mean)]
+    chosen = [(subspaces(d, bk), subspaces(d, bv)) for bk, bv in allocate_pairs(
+        costs["k"], costs["v"], [(bits_of(d, mk), bits_of(d, mv)) for mk, mv in pairs], mean)]
     return chosen, costs, [(parts["k"][mk], parts["v"][mv])
                            for parts, (mk, mv) in zip(trained, chosen)]
 
@@ -1238,8 +1247,8 @@ def _run(args, parser) -> int:
         print(f"bits chosen by cost: {what}", flush=True)
     out = args.out or default_codebook_path(args.model, m, m_v, m_vs, m_ks)
     method = method_at(m_v)
-    books = train(stats, m_ks if len(set(m_ks)) > 1 else m, m_vs,
-                  [method_at(mv) for mv in m_vs], args.seed, args.device, parts=parts)
+    books = train(stats, m_ks, m_vs, [method_at(mv) for mv in m_vs], args.seed, args.device,
+                  parts=parts)
     save_codebooks(out, books["k"], books["v"], cfg, {
         "model": os.path.abspath(args.model),
         "texts": [os.path.abspath(t) for t in args.text],

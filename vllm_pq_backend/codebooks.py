@@ -107,8 +107,10 @@ def describe_layers_m(head_dim: int, m_k_layers, m_v_layers) -> str:
     in 18-23)'."""
     if len(set(m_k_layers)) == 1 and len(set(m_v_layers)) == 1:
         return describe_m(head_dim, m_k_layers[0], m_v_layers[0])
-    parts = [(name, base_m(ms), layers_of_m(ms, base_m(ms)))
-             for name, ms in (("K", m_k_layers), ("V", m_v_layers))]
+    parts = []  # (name, the width most layers have, the others' layers)
+    for name, ms in (("K", m_k_layers), ("V", m_v_layers)):
+        base = base_m(ms)
+        parts.append((name, base, layers_of_m(ms, base)))
     mean = (mean_bits(head_dim, m_k_layers) + mean_bits(head_dim, m_v_layers)) / 2
     return (f"K {bits_of(head_dim, parts[0][1])} / V {bits_of(head_dim, parts[1][1])} bits "
             "per element, "

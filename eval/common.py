@@ -123,7 +123,7 @@ def codebook_meta(path):
                 calib_seq_len=cal.get("seq_lens") or cal.get("seq_len"),
                 calib_pack=bool(cal.get("pack")),
                 calib_model_context=cal.get("model_context"),
-                calib_samples=cal.get("samples_per_head"),
+                calib_samples=cal.get("samples_per_head"), calib_seed=cal.get("seed"),
                 **{key: cal[key] for key in ("bits_mean", "bits_v_mean") if key in cal})
 
 
@@ -169,18 +169,20 @@ CALIB_TOKENS = 65536  # calibrate's default
 def calibration(meta: dict) -> str:
     """How a codebook file was calibrated (codebook_meta's fields), where it is not
     calibrate's default (packed sequences as long as the model's context, at most the
-    tokens run): ", calibrated on 512K tokens in 8K-token packed sequences", or "". A list
-    of sequence lengths (calibrate --seq-len 2048 8192) is never the default."""
+    tokens run, seed 0): ", calibrated on 512K tokens in 8K-token packed sequences", ",
+    calibrated with seed 1", or "". A list of sequence lengths (calibrate --seq-len 2048 8192)
+    is never the default."""
     tokens = meta.get("calib_tokens") not in (None, CALIB_TOKENS)
     context = meta.get("calib_model_context")  # recorded by calibrate since it packs by default
     seqs = meta.get("calib_seq_len") is not None and not (
         isinstance(meta["calib_seq_len"], int) and meta.get("calib_pack") and context
         and meta["calib_seq_len"] == min(context, meta.get("calib_tokens") or CALIB_TOKENS))
+    seed = f" with seed {meta['calib_seed']}" if meta.get("calib_seed") else ""
     if not tokens and not seqs:
-        return ""
+        return seed and ", calibrated" + seed
     return ", calibrated on " + calibration_words(meta["calib_tokens"] if tokens else None,
                                                   meta["calib_seq_len"] if seqs else None,
-                                                  meta.get("calib_pack"))
+                                                  meta.get("calib_pack")) + seed
 
 
 def exact_words(meta: dict) -> str:

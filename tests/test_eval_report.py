@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "eval"))
 import report  # noqa: E402
-from common import calibration_words  # noqa: E402
+from common import calibration, calibration_words  # noqa: E402
 
 RECORDED = json.loads((ROOT / "eval" / "results" / "long_calibration.json").read_text())
 SHORT = "CUSTOM 4 bits, calibrated on 2K-token sequences"
@@ -122,6 +122,18 @@ def test_several_lengths_in_words():
     assert calibration_words(None, [2048, 8192], True) == "2K- and 8K-token packed sequences"
     assert calibration_words(65536, [2048, 4096, 8192], False) == "64K tokens in 2K-, 4K- and 8K-token sequences"
     assert calibration_words(None, [1000, 8192], True) == "1,000- and 8K-token packed sequences"
+
+
+def test_a_calibration_seed_other_than_zero_is_named():
+    """Two files from one command but the seed are two caches: their labels differ."""
+    meta = dict(calib_tokens=131072, calib_seq_len=32768, calib_pack=True,
+                calib_model_context=32768)
+    assert calibration(dict(meta, calib_seed=0)) == ", calibrated on 128K tokens"
+    assert calibration(dict(meta, calib_seed=1)) == ", calibrated on 128K tokens with seed 1"
+    assert calibration(dict(meta, calib_tokens=65536, calib_seq_len=65536, calib_model_context=65536,
+                            calib_seed=2)) == ", calibrated with seed 2"
+    assert calibration(dict(meta, calib_tokens=65536, calib_seq_len=65536,
+                            calib_model_context=65536)) == ""
 
 
 def test_results_md_shows_the_table_as_rendered():

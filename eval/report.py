@@ -201,6 +201,11 @@ def kv_allocation() -> str:
     return quality_table("kv_allocation.json")
 
 
+@table("long-bits-2k")
+def long_bits_2k() -> str:
+    return quality_table("long_bits_by_layer_2k.json")
+
+
 @table("kv-allocation-layers")
 def kv_allocation_layers() -> str:
     """Each layer's K and V bits in the files whose bits calibration chose (served rows)."""
@@ -984,6 +989,16 @@ def kv_allocation_retrieval() -> str:
     return retrieval_table("long_allocation.json")
 
 
+@table("long-bits-retrieval")
+def long_bits_retrieval() -> str:
+    return retrieval_table("long_bits_by_layer.json")
+
+
+@table("long-gemma-calibration-retrieval")
+def long_gemma_calibration_retrieval() -> str:
+    return retrieval_table("long_gemma_calibration.json")
+
+
 @table("long-exact-retrieval")
 def long_exact_retrieval() -> str:
     return retrieval_table("long_exact.json")
@@ -1440,6 +1455,16 @@ def exact_sim_layouts() -> str:
 @table("long-context-fidelity")
 def long_context_fidelity() -> str:
     return fidelity_table("long_context.json")
+
+
+@table("long-bits-fidelity")
+def long_bits_fidelity() -> str:
+    return fidelity_table("long_bits_by_layer.json")
+
+
+@table("long-gemma-calibration-fidelity")
+def long_gemma_calibration_fidelity() -> str:
+    return fidelity_table("long_gemma_calibration.json")
 
 
 @table("long-exact-fidelity")

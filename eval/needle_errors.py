@@ -30,7 +30,7 @@ NAME = "pq_needle_record"
 TAIL = 200  # last positions left out of the haystack's tokens: the question, the window
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)
     p.add_argument("--codebooks", nargs="+", required=True)
@@ -41,7 +41,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default="eval/results/needle_errors.json")
-    a = p.parse_args()
+    a = p.parse_args(argv)
 
     from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
     from transformers.integrations.sdpa_attention import sdpa_attention_forward

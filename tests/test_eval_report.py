@@ -216,3 +216,28 @@ def test_v_bits_by_layer_name_their_layers_and_average(tmp_path):
     row = dict(meta, method=json.dumps({"v_gamma": 0.5}))
     assert report.cache_name(row) == ("CUSTOM K4/V2, V 4 in layers 2-3, V 1 in layer 4 "
                                       "(3.3 bits), V in the o_proj metric (default)")
+
+
+def test_long_ablation_has_a_row_per_idea_from_its_own_run():
+    table = report.TABLES["long-ablation"]()
+    for model, file, label, bits, idea in report.ABLATION:
+        section = table.split(f"**{model}**")[1].split("**")[0]
+        line = next(x for x in section.splitlines() if x.startswith(f"| {bits} | {idea} |"))
+        assert line.endswith(f"| `{file}` |")
+    # a cell is that cache's change against bf16 of the same file, starred past chance
+    sec = report.long_models("long_bits_by_layer.json")["SmolLM2-135M"]
+    label = report.ABLATION[5][2]
+    r = next(r for r in sec["retrieval"] if r["engine"] == label and r["task"] == "passkey"
+             and r["length"] == 2048)
+    assert row(table, "3", 1).split(" | ")[3].startswith(f"{r['delta_points']:+.1f}*")
+
+
+def test_long_ablation_names_a_cache_its_file_lacks(tmp_path, monkeypatch):
+    data = json.loads((ROOT / "eval" / "results" / "long_bits_by_layer.json").read_text())
+    data["models"]["SmolLM2-135M"]["engines"][3]["label"] = "renamed"
+    for name in {f for _, f, *_ in report.ABLATION}:
+        src = ROOT / "eval" / "results" / name
+        (tmp_path / name).write_text(json.dumps(data) if name == "long_bits_by_layer.json" else src.read_text())
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
+    with pytest.raises(SystemExit, match="long_bits_by_layer.json has no SmolLM2-135M cache"):
+        report.TABLES["long-ablation"]()

@@ -989,52 +989,52 @@ def kv_allocation_retrieval() -> str:
     return retrieval_table("long_allocation.json")
 
 
-# (model, results file, engine label, bits per element, the idea the row measures): the
+# (model, results file, engine label, the idea the row measures): the
 # served long-context runs, one row per idea, each against bf16 of its own run
 ABLATION = [
-    ("SmolLM2-135M", "long_context.json", "fp8", "8", "fp8 (anchor)"),
+    ("SmolLM2-135M", "long_context.json", "fp8", "fp8 (anchor)"),
     ("SmolLM2-135M", "long_calibration.json", "CUSTOM K4/V4 bits W=128, calibrated on 2K-token sequences",
-     "4", "codebooks from 2K-token sequences"),
+     "codebooks from 2K-token sequences"),
     ("SmolLM2-135M", "long_calibration.json", "CUSTOM K4/V4 bits W=128",
-     "4", "from 8K-token packed sequences (the default)"),
+     "from 8K-token packed sequences (the default)"),
     ("SmolLM2-135M", "long_calibration.json",
      "CUSTOM K4/V4 bits W=128, calibrated on 2K- and 8K-token packed sequences",
-     "4", "from 2K- and 8K-token sequences"),
-    ("SmolLM2-135M", "long_context.json", "CUSTOM K4/V2 bits W=128", "3", "K4/V2, the default calibration"),
+     "from 2K- and 8K-token sequences"),
+    ("SmolLM2-135M", "long_context.json", "CUSTOM K4/V2 bits W=128", "K4/V2, the default calibration"),
     ("SmolLM2-135M", "long_bits_by_layer.json",
      "CUSTOM K4/V2 bits W=128, calibrated on 2K- and 8K-token packed sequences",
-     "3", "K4/V2, from 2K- and 8K-token sequences"),
+     "K4/V2, from 2K- and 8K-token sequences"),
     ("SmolLM2-135M", "long_bits_by_layer.json", "CUSTOM K4/V1 bits, V 4 in layers 8,14,17-18,20,23-24, "
      "V 2 in layers 7,12,15-16,19,21-22,26,28 W=128, calibrated on 2K- and 8K-token packed sequences",
-     "3", "V's bits by layer (--bits-v-mean 2), from 2K- and 8K-token sequences"),
+     "V's bits by layer (--bits-v-mean 2), from 2K- and 8K-token sequences"),
     ("SmolLM2-135M", "long_bits_by_layer.json", "CUSTOM K4/V2 bits, K 2 in layers 0,11,25,27,29, V 4 in "
      "layers 8,14,17-18,20,23-24, V 1 in layers 1,3,9-10 W=128, calibrated on 2K- and 8K-token packed "
-     "sequences", "3", "K's and V's bits by layer (--bits-mean 3), from 2K- and 8K-token sequences"),
-    ("SmolLM2-135M", "long_context.json", "CUSTOM K2/V2 bits W=128", "2", "2 bits, the default calibration"),
+     "sequences", "K's and V's bits by layer (--bits-mean 3), from 2K- and 8K-token sequences"),
+    ("SmolLM2-135M", "long_context.json", "CUSTOM K2/V2 bits W=128", "2 bits, the default calibration"),
     ("SmolLM2-135M", "long_bits_by_layer.json", "CUSTOM K2/V2 bits, K 4 in layers 2,5,7-8,14-15,18,20,"
      "23-24, K 1 in layers 0,11,13,16,25,27,29, V 1 in layers 0,2,5,7-8,11,13,15-16,24-25,27,29 W=128, "
      "calibrated on 2K- and 8K-token packed sequences",
-     "2", "K's and V's bits by layer (--bits-mean 2), from 2K- and 8K-token sequences"),
-    ("Gemma-3-270M", "long_context.json", "fp8", "8", "fp8 (anchor)"),
+     "K's and V's bits by layer (--bits-mean 2), from 2K- and 8K-token sequences"),
+    ("Gemma-3-270M", "long_context.json", "fp8", "fp8 (anchor)"),
     ("Gemma-3-270M", "long_context.json", "CUSTOM K4/V4 bits W=128, calibrated on 2K-token sequences",
-     "4", "codebooks from 2K-token sequences"),
+     "codebooks from 2K-token sequences"),
     ("Gemma-3-270M", "long_context.json", "CUSTOM K4/V4 bits W=128, calibrated on 128K tokens",
-     "4", "from 32K-token packed sequences (the default)"),
+     "from 32K-token packed sequences (the default)"),
     ("Gemma-3-270M", "long_gemma_calibration.json", "CUSTOM K4/V4 bits W=128, calibrated on 128K tokens",
-     "4", "the same command again"),
+     "the same command again"),
     ("Gemma-3-270M", "long_gemma_calibration.json",
-     "CUSTOM K4/V4 bits W=128, calibrated on 128K tokens with seed 1", "4", "the same command, seed 1"),
+     "CUSTOM K4/V4 bits W=128, calibrated on 128K tokens with seed 1", "the same command, seed 1"),
     ("Gemma-3-270M", "long_gemma_calibration.json",
      "CUSTOM K4/V4 bits W=128, calibrated on 128K tokens in 4K- and 32K-token packed sequences",
-     "4", "from 4K- and 32K-token sequences"),
+     "from 4K- and 32K-token sequences"),
     ("Gemma-3-270M", "long_exact.json", "CUSTOM K4/V4 bits + 2 exact per page (4.27 bits) W=128, "
-     "calibrated on 128K tokens", "4.27", "the default + the exact store, 2 keys and values per page"),
+     "calibrated on 128K tokens", "the default + the exact store, 2 keys and values per page"),
     ("Gemma-3-270M", "long_context.json", "CUSTOM K4/V2 bits W=128, calibrated on 128K tokens",
-     "3", "K4/V2, the default calibration"),
+     "K4/V2, the default calibration"),
     ("Gemma-3-270M", "long_exact.json", "CUSTOM K4/V2 bits + 2 exact per page (3.27 bits) W=128, "
-     "calibrated on 128K tokens", "3.27", "K4/V2 + the exact store, 2 keys and values per page"),
+     "calibrated on 128K tokens", "K4/V2 + the exact store, 2 keys and values per page"),
     ("Gemma-3-270M", "long_context.json", "CUSTOM K2/V2 bits W=128, calibrated on 128K tokens",
-     "2", "2 bits, the default calibration"),
+     "2 bits, the default calibration"),
 ]
 
 
@@ -1043,10 +1043,10 @@ def long_ablation() -> str:
     """What each idea is worth at each length: one row per served configuration (ABLATION),
     its perplexity change by distance and its retrieval change per length, each against
     bf16 in its own run."""
-    out, files = [], []
+    base, out, files = baseline_bits(), [], []
     for model in dict.fromkeys(m for m, *_ in ABLATION):
         body, lengths, buckets = [], None, None
-        for _, file, label, bits, idea in (a for a in ABLATION if a[0] == model):
+        for _, file, label, idea in (a for a in ABLATION if a[0] == model):
             sec = long_models(file)[model]
             e = next((x for x in sec["engines"] if x["label"] == label), None)
             if e is None:
@@ -1060,7 +1060,7 @@ def long_ablation() -> str:
                 rs = [retrieval(sec, e, t, n) for t in ("passkey", "multikey", "verbatim")]
                 cells.append(" / ".join("not run" if r is None else starred(
                     f"{r['delta_points']:+.1f}", r["only_bf16"], r["only_this"]) for r in rs))
-            body.append([bits, idea, gaps, *cells, f"`{file}`"])
+            body.append([long_bits(e, base), idea, gaps, *cells, f"`{file}`"])
         out += [f"**{model}**", "", md(["bits per element", "what changes",
                                          f"perplexity vs bf16, {' / '.join(buckets)}",
                                          *(f"passkey / multikey / verbatim, {n // 1024}K" for n in lengths),

@@ -220,10 +220,16 @@ def test_v_bits_by_layer_name_their_layers_and_average(tmp_path):
 
 def test_long_ablation_has_a_row_per_idea_from_its_own_run():
     table = report.TABLES["long-ablation"]()
-    for model, file, label, bits, idea in report.ABLATION:
+    base = report.baseline_bits()
+    for model, file, label, idea in report.ABLATION:
         section = table.split(f"**{model}**")[1].split("**")[0]
+        e = next(x for x in report.long_models(file)[model]["engines"] if x["label"] == label)
+        bits = report.long_bits(e, base)  # bits per element, the exact store's bytes counted
         line = next(x for x in section.splitlines() if x.startswith(f"| {bits} | {idea} |"))
         assert line.endswith(f"| `{file}` |")
+    assert [line.split(" | ")[0] for line in table.splitlines() if line.startswith("| ") and "`" in line] == [
+        "| 8", "| 4", "| 4", "| 4", "| 3", "| 3", "| 3", "| 3", "| 2", "| 2",
+        "| 8", "| 4", "| 4", "| 4", "| 4", "| 4", "| 4.27", "| 3", "| 3.27", "| 2"]
     # a cell is that cache's change against bf16 of the same file, starred past chance
     sec = report.long_models("long_bits_by_layer.json")["SmolLM2-135M"]
     label = report.ABLATION[5][2]
@@ -235,7 +241,7 @@ def test_long_ablation_has_a_row_per_idea_from_its_own_run():
 def test_long_ablation_names_a_cache_its_file_lacks(tmp_path, monkeypatch):
     data = json.loads((ROOT / "eval" / "results" / "long_bits_by_layer.json").read_text())
     data["models"]["SmolLM2-135M"]["engines"][3]["label"] = "renamed"
-    for name in {f for _, f, *_ in report.ABLATION}:
+    for name in {f for _, f, *_ in report.ABLATION} | {"accuracy.json"}:  # + the baselines' bits
         src = ROOT / "eval" / "results" / name
         (tmp_path / name).write_text(json.dumps(data) if name == "long_bits_by_layer.json" else src.read_text())
     monkeypatch.setattr(report, "RESULTS", tmp_path)

@@ -558,6 +558,38 @@ def test_fisher_weights_lower_the_loss_weighted_error():
                     Method(v_fisher=1), 0, "cpu")
 
 
+def test_choose_bits_holds_each_layers_rows_once_and_chooses_as_without(monkeypatch):
+    """choose_bits joins and moves each layer's sampled rows once (LayerStats.held_on) for
+    its several trainings and costs, lets them go after, and chooses exactly what reading
+    them afresh at every use chooses."""
+    import contextlib
+
+    from vllm_pq_backend import calibrate
+    from vllm_pq_backend.calibrate import LayerStats, choose_bits, cost_pairs, default_method
+
+    g = torch.Generator().manual_seed(0)
+    n, d = 2048, 32
+
+    def layer():
+        x = lambda: [torch.randn(n // 2, 2, d, generator=g).half() for _ in range(2)]  # noqa: E731
+        gr = lambda: [torch.randn(n // 2, 2, d, generator=g) for _ in range(2)]  # noqa: E731
+        return LayerStats(k=x(), v=x(), mass=[torch.rand(n // 2, 2, generator=g) for _ in range(2)],
+                          qa=torch.eye(d).double().expand(2, d, d).clone(),
+                          og=torch.eye(d).double().expand(2, d, d).clone(), gk=gr(), gv=gr())
+
+    stats = [layer(), layer()]
+    method_at = lambda mv: default_method(mv * 8 / d, niter=2)  # noqa: E731
+    st = stats[0]
+    with st.held_on("cpu"):
+        assert st.rows("k") is st.rows("k") and torch.equal(st.rows("gv"), torch.cat(st.gv))
+    assert st.held == {} and st.rows("k") is not st.rows("k")
+    held = choose_bits(stats, d, cost_pairs(d), 2.5, method_at, 0, "cpu", progress=False)
+    assert all(s.held == {} for s in stats)
+    monkeypatch.setattr(calibrate.LayerStats, "held_on", lambda self, device: contextlib.nullcontext())
+    afresh = choose_bits(stats, d, cost_pairs(d), 2.5, method_at, 0, "cpu", progress=False)
+    assert held[:2] == afresh[:2]  # the same pairs, from the same costs
+
+
 def test_capture_in_query_blocks_gives_the_same_statistics():
     """KVCapture computes attention a block of queries at a time (memory grows with the
     sequence, not its square): blocks of 7 queries give the forward, the attention mass of

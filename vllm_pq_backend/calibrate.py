@@ -305,9 +305,23 @@ class LayerStats:
     sink: tuple | None = None  # (k [H, d], v [H, d]) of the BOS token at position 0
     gk: list = field(default_factory=list)  # [n, H, d] fp32: d loss / d k through coded reads
     gv: list = field(default_factory=list)  # (capture(fisher=True) only)
+    held: dict = field(default_factory=dict, repr=False)  # name -> rows, while held_on
 
     def rows(self, name: str) -> torch.Tensor:
+        if name in self.held:
+            return self.held[name]
         return torch.cat(getattr(self, name)).float()
+
+    @contextlib.contextmanager
+    def held_on(self, device):
+        """The sampled rows joined and moved to ``device`` once, for the several trainings
+        and costs of one layer (choose_bits), instead of at every use; let go after."""
+        self.held = {name: self.rows(name).to(device)
+                     for name in ("k", "v", "mass", "gk", "gv") if getattr(self, name)}
+        try:
+            yield
+        finally:
+            self.held = {}
 
 
 QUERY_BLOCK = 2048  # queries per attention block in KVCapture
@@ -1073,11 +1087,12 @@ def choose_bits(stats, d: int, pairs: list[tuple[int, int]], mean: float, method
     for st in tqdm(stats, desc="K's and V's cost by layer and bits", unit="layer",
                    disable=not progress):
         parts = {}
-        for part, widths in (("k", {mk for mk, _ in pairs}), ("v", {mv for _, mv in pairs})):
-            parts[part] = {m: _train_part(st, part, m, methods[part](m), seed, device)
-                           for m in sorted(widths)}
-            costs[part].append({bits_of(d, m): coding_cost(st, part, c, t, device)
-                                for m, (c, t, _) in parts[part].items()})
+        with st.held_on(device):
+            for part, widths in (("k", {mk for mk, _ in pairs}), ("v", {mv for _, mv in pairs})):
+                parts[part] = {m: _train_part(st, part, m, methods[part](m), seed, device)
+                               for m in sorted(widths)}
+                costs[part].append({bits_of(d, m): coding_cost(st, part, c, t, device)
+                                    for m, (c, t, _) in parts[part].items()})
         trained.append(parts)
     chosen = [(subspaces(d, bk), subspaces(d, bv)) for bk, bv in allocate_pairs(
         costs["k"], costs["v"], [(bits_of(d, mk), bits_of(d, mv)) for mk, mv in pairs], mean)]

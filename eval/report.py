@@ -1099,6 +1099,38 @@ def needle_errors() -> str:
         f"transformers, {data['device']}, {day(data['date'])}. " + source("needle_errors.json")])
 
 
+@table("layer-kl")
+def layer_kl() -> str:
+    """Each codebook file's KL from the exact model's next-token distribution with every part
+    coded, and with each layer's K or V coded alone (eval/layer_kl.py): the sums over
+    layers and the parts that cost most."""
+    data = load("layer_kl.json")
+    body = []
+    for meta in data["codebooks"]:
+        rs = [r for r in data["rows"] if r["codebook_sha256"] == meta["codebook_sha256"]]
+        whole = next(r["kl"] for r in rs if r["layer"] is None)
+        parts = [r for r in rs if r["layer"] is not None]
+        total = sum(r["kl"] for r in parts)
+        part_sum = {p: sum(r["kl"] for r in parts if r["part"] == p) for p in "kv"}
+        top = sorted(parts, key=lambda r: -r["kl"])[:5]
+        body.append([custom_name(meta["bits_k"], meta["bits_v"]) + calibration(meta),
+                     f"{whole:.5f}", f"{total:.5f}",
+                     f"{part_sum['k']:.5f} ({100 * part_sum['k'] / total:.0f}%)",
+                     f"{part_sum['v']:.5f} ({100 * part_sum['v'] / total:.0f}%)",
+                     ", ".join(f"{r['part'].upper()} of layer {r['layer']} "
+                               f"{100 * r['kl'] / total:.0f}%" for r in top),
+                     meta["codebook_sha256"]])
+    return "\n".join([
+        md(["codes", "KL, every part coded", "KL summed over parts coded alone", "K's",
+            "V's", "the parts that cost most (share of the sum)", "codebook sha256"], body), "",
+        f"KL divergence from the exact model's next-token distribution, per position, over "
+        f"{data['positions']:,} positions of {data['docs']} documents of "
+        f"{data['length']:,} tokens of {', '.join(data['text'])} (text the codebooks never "
+        f"saw); window {data['window']}. The model of `{data['model']}` in {data['dtype']} in "
+        f"transformers with the backend's reads simulated (eval/accuracy_sim.py), "
+        f"{data['device']}, {day(data['date'])}. " + source("layer_kl.json")])
+
+
 @table("long-bits-retrieval")
 def long_bits_retrieval() -> str:
     return retrieval_table("long_bits_by_layer.json")

@@ -108,6 +108,15 @@ def rope_pairs(d: int) -> torch.Tensor:
     return torch.tensor([j for i in range(h) for j in (i, i + h)])
 
 
+def file_layers(path: str):
+    """A codebook file's header and, per layer, its (K centroids, V centroids, K transform,
+    V transform), a transform None where the file has none."""
+    info = codebooks.read_info(path)
+    return info, [(*codebooks.load_layer(info, i, slice(None)),
+                   *codebooks.load_transforms(info, i, slice(None)))
+                  for i in range(info.num_layers)]
+
+
 def nearest(x, cb):
     """Codes of ``x [n, H, d]`` under centroids ``cb [H, m, 256, ds]`` (||c||^2 - 2 x.c)."""
     n, h, d = x.shape
@@ -449,14 +458,9 @@ def main() -> int:
 
     def read_books(path):
         """A codebook file's layers as score() takes them (lists: layers may differ)."""
-        info = codebooks.read_info(path)
-        books = {"k": [], "v": [], "k_transform": [], "v_transform": []}
-        for i in range(info.num_layers):
-            k, v = codebooks.load_layer(info, i, slice(None))
-            tk, tv = codebooks.load_transforms(info, i, slice(None))
-            for key, val in zip(books, (k, v, tk, tv)):
-                books[key].append(val)
-        return info, books
+        info, layers = file_layers(path)
+        return info, {key: list(val) for key, val in
+                      zip(("k", "v", "k_transform", "v_transform"), zip(*layers))}
 
     for n, path in enumerate(a.codebooks):  # files as calibrate wrote them
         info, books = read_books(path)

@@ -22,7 +22,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from accuracy_sim import Sim  # noqa: E402
+from accuracy_sim import Sim, file_layers  # noqa: E402
 from common import codebook_meta, provenance, write_result  # noqa: E402
 from long_context import Text, fidelity_docs  # noqa: E402
 
@@ -31,23 +31,24 @@ def read_layers(path: str, device) -> list[dict]:
     """A codebook file's layers as Sim reads them."""
     from vllm_pq_backend import codebooks
 
-    info = codebooks.read_info(path)
+    info, layers = file_layers(path)
     pinned = bool(codebooks.calibration_of(info).get("pinned_bos_sink"))
-    out = []
-    for i in range(info.num_layers):
-        k, v = codebooks.load_layer(info, i, slice(None))
-        tk, tv = codebooks.load_transforms(info, i, slice(None))
-        f = lambda x: None if x is None else x.to(device).float()  # noqa: E731
-        out.append(dict(k=f(k), v=f(v), k_transform=f(tk), v_transform=f(tv), sink=pinned))
-    return out
+    f = lambda x: None if x is None else x.to(device).float()  # noqa: E731
+    return [dict(k=f(k), v=f(v), k_transform=f(tk), v_transform=f(tv), sink=pinned)
+            for k, v, tk, tv in layers]
 
 
-def kl_sum(model, sim, docs, ref) -> float:
-    """Summed over the documents' positions: KL(exact || the model as ``sim`` reads)."""
+def log_probs(model, ids: list[int], device) -> torch.Tensor:
+    """The model's next-token log-probabilities at every position of ``ids`` (float32)."""
+    with torch.inference_mode():
+        return model(torch.tensor([ids], device=device)).logits[0].float().log_softmax(-1)
+
+
+def kl_sum(model, docs, ref) -> float:
+    """Summed over the documents' positions: KL(exact ``ref`` || the model as it reads now)."""
     total = 0.0
     for d, p in zip(docs, ref):
-        with torch.inference_mode():
-            q = model(torch.tensor([d], device=p.device)).logits[0].float().log_softmax(-1)
+        q = log_probs(model, d, p.device)
         total += float((p.exp() * (p - q)).sum())
     return total
 
@@ -79,10 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     model.config._attn_implementation = Sim.NAME
     docs = fidelity_docs(Text(tok, a.text), a.docs, a.length, a.seed)
     positions = sum(map(len, docs))
-    ref = []
-    for d in docs:
-        with torch.inference_mode():
-            ref.append(model(torch.tensor([d], device=a.device)).logits[0].float().log_softmax(-1))
+    ref = [log_probs(model, d, a.device) for d in docs]
     layers = model.config.get_text_config().num_hidden_layers
     types = getattr(model.config.get_text_config(), "layer_types", None)
     rows, metas = [], []
@@ -91,13 +89,13 @@ def main(argv: list[str] | None = None) -> int:
         metas.append(meta)
         sim.books = read_layers(path, a.device)
         sim.layers, sim.parts = None, "kv"
-        whole = kl_sum(model, sim, docs, ref) / positions
+        whole = kl_sum(model, docs, ref) / positions
         rows.append(dict(codebook_sha256=meta["codebook_sha256"], layer=None, part="kv",
                          kl=round(whole, 8)))
         for i in tqdm(range(layers), desc=os.path.basename(path), unit="layer"):
             for part in "kv":
                 sim.layers, sim.parts = {i}, part
-                kl = kl_sum(model, sim, docs, ref) / positions
+                kl = kl_sum(model, docs, ref) / positions
                 rows.append(dict(codebook_sha256=meta["codebook_sha256"], layer=i, part=part,
                                  attention=types[i] if types else "full_attention",
                                  kl=round(kl, 8)))

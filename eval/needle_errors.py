@@ -22,7 +22,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from accuracy_sim import dequant  # noqa: E402
+from accuracy_sim import dequant, file_layers  # noqa: E402
 from common import codebook_meta, provenance, write_result  # noqa: E402
 from long_context import Text, make_sample  # noqa: E402
 
@@ -47,8 +47,6 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-    from vllm_pq_backend import codebooks
-
     tok = AutoTokenizer.from_pretrained(a.model)
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.bfloat16).to(a.device).eval()
     seen = {}
@@ -62,11 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     model.config._attn_implementation = NAME
     text_cfg = model.config.get_text_config()
     layers = text_cfg.num_hidden_layers
-    books = []
-    for path in a.codebooks:
-        info = codebooks.read_info(path)
-        books.append([(codebooks.load_layer(info, i, slice(None)),
-                       codebooks.load_transforms(info, i, slice(None))) for i in range(layers)])
+    books = [file_layers(path)[1][:layers] for path in a.codebooks]
     # per file, part and layer: summed error and count, at the digits and in the haystack
     sums = torch.zeros(len(a.codebooks), 2, layers, 2, 2, dtype=torch.float64)
     text, rng = Text(tok, a.haystack), random.Random(a.seed)
@@ -84,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         with torch.no_grad():
             model(torch.tensor([ids], device=a.device))
         for f, per_layer in enumerate(books):
-            for i, ((kc, vc), (tk, tv)) in enumerate(per_layer):
+            for i, (kc, vc, tk, tv) in enumerate(per_layer):
                 for part, (x, c, t) in enumerate(((seen[i][0], kc, tk), (seen[i][1], vc, tv))):
                     t = None if t is None else t.to(a.device).float()
                     xh = dequant(x, c.to(a.device).float(), t)

@@ -124,7 +124,8 @@ def codebook_meta(path):
                 calib_pack=bool(cal.get("pack")),
                 calib_model_context=cal.get("model_context"),
                 calib_samples=cal.get("samples_per_head"), calib_seed=cal.get("seed"),
-                **{key: cal[key] for key in ("bits_mean", "bits_v_mean") if key in cal})
+                **{key: cal[key] for key in ("bits_mean", "bits_v_mean") if key in cal},
+                **({"k_fit": cal["k_fit"]["chosen"]} if "k_fit" in cal else {}))
 
 
 # --- servers --------------------------------------------------------------------------
@@ -200,7 +201,9 @@ def engine_label(meta: dict, window: int) -> str:
     the default."""
     return (f"CUSTOM K{meta.get('bits_k_base', meta['bits_k'])}/"
             f"V{meta.get('bits_v_base', meta['bits_v'])} bits"
-            + layer_bits_words(meta) + exact_words(meta) + f" W={window}" + calibration(meta))
+            + layer_bits_words(meta) + exact_words(meta)
+            + (", K's training by layer" if meta.get("k_fit") else "")  # calibrate --fit-k
+            + f" W={window}" + calibration(meta))
 
 
 def layer_bits_words(meta: dict) -> str:

@@ -231,6 +231,43 @@ def test_calibrate_chooses_k_and_v_bits_by_cost(tmp_path, capsys):
     assert f"bits chosen by cost: {info.describe()}" in capsys.readouterr().out
 
 
+def test_fit_k_measured_keeps_each_layers_cheapest_training(tmp_path, capsys):
+    """--fit-k measured: every layer's K trained each way of K_FITS and priced (the KL of
+    its codes, recorded per layer and training); each layer keeps the cheapest, and its K
+    codebook and map are exactly what calibrating every layer that way writes (the same
+    seed and samples)."""
+    from safetensors import safe_open
+
+    from vllm_pq_backend.calibrate import K_FITS
+
+    model = tiny_model(tmp_path / "model")
+    (tmp_path / "a.txt").write_text("the lazy dog jumps over the quick brown fox " * 80)
+
+    def calibrate(name, *extra):
+        out = tmp_path / f"{name}.safetensors"
+        assert main(["--model", model, "--text", str(tmp_path / "a.txt"), "--m", "16",
+                     "--tokens", "1000", "--samples", "600", "--seq-len", "256", "--niter",
+                     "2", "--device", "cpu", "--dtype", "float32", "--out", str(out),
+                     *extra]) == 0
+        info = codebooks.read_info(str(out))
+        codebooks.validate(info, hf_config(model), 16, 16, model)
+        with safe_open(str(out), "pt") as f:
+            return (f.get_tensor("k_centroids"), f.get_tensor("k_transform"),
+                    codebooks.calibration_of(info))
+
+    k, t, cal = calibrate("fit", "--fit-k", "measured")
+    fit = cal["k_fit"]
+    assert fit["candidates"] == K_FITS and len(fit["kl"]) == 2
+    for layer, costs in enumerate(fit["kl"]):
+        assert sorted(costs) == sorted(K_FITS) and all(c >= 0 for c in costs.values())
+        assert costs[fit["chosen"][layer]] == min(costs.values()), costs  # ties: K_FITS' order
+        over = K_FITS[fit["chosen"][layer]]
+        fixed_k, fixed_t, _ = calibrate(fit["chosen"][layer], "--method",
+                                        *(f"{f}={v}" for f, v in over.items()))
+        assert torch.equal(k[layer], fixed_k[layer]) and torch.equal(t[layer], fixed_t[layer])
+    assert "K's training by layer: " in capsys.readouterr().out
+
+
 def test_allocate_bits_is_the_cheapest_choice_for_the_mean():
     """The knapsack against every choice, on random costs (layers x widths 1, 2, 4)."""
     import itertools
@@ -441,18 +478,21 @@ def test_capture_reproduces_the_models_attention(make):
     assert all(len(st.k) == 1 for st in cap.layers)  # both layers recorded
 
 
-def _coded_split_attention(window, grads):
+def _coded_split_attention(window, grads, shift=None):
     """Eager attention in which every read of key j by query i through codes (as KVCapture
     decides them: ``j < window_start(i)``, BOS aside) goes through ``k + zk`` and ``v + zv``,
     zeros kept in ``grads`` per layer: their gradients are d loss / d K, V through coded
-    reads, by autograd."""
+    reads, by autograd. ``shift(layer, key, value)``: (zk, zv) instead of zeros."""
     from vllm_pq_backend.layout import window_start
 
     def attn(module, query, key, value, attention_mask, scaling=None, sliding_window=None,
              softcap=None, **kw):
         hq, t = query.shape[1], query.shape[2]
         g = hq // key.shape[1]
-        zk, zv = (torch.zeros_like(x, requires_grad=True) for x in (key, value))
+        if shift is None:
+            zk, zv = (torch.zeros_like(x, requires_grad=True) for x in (key, value))
+        else:
+            zk, zv = shift(module.layer_idx, key, value)
         grads[module.layer_idx] = (zk, zv)
         rep = lambda x: x[0].repeat_interleave(g, 0)  # noqa: E731
         pos = torch.arange(t)
@@ -527,6 +567,76 @@ def test_fisher_capture_gives_the_gradients_of_coded_reads(make):
             row = want.flatten(1).abs().amax(1).view(-1, 1, 1)
             assert want.abs().amax() > 0
             assert ((st.rows(name) - want).abs() <= 1e-4 * row + 1e-9).all(), (i, name)
+
+
+@pytest.mark.parametrize("make", [tiny_gemma3, tiny_gpt_oss])
+@pytest.mark.parametrize("part", ["k", "v"])
+def test_measured_costs_are_the_kl_with_one_layers_part_coded(make, part):
+    """measured_costs prices layer 1's K (or V) at a width by the KL divergence from the
+    exact model's next-token distribution to the model's with that layer's reads through
+    codes (and only those: the window and BOS exact) going through the reconstruction,
+    summed over positions and divided by their count: on a tiny Gemma 3 and gpt-oss
+    (sliding window, learned sinks), what eager attention gives by hand, per width; every
+    candidate priced, none of a layer without candidates."""
+    from transformers import AttentionInterface
+
+    from vllm_pq_backend.calibrate import measured_costs, reconstruct
+
+    model = make().float()
+    cfg = model.config
+    d, hkv, t, window = cfg.head_dim, cfg.num_key_value_heads, 40, 16
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(3, 300, (t,), generator=g).tolist() for _ in range(2)]
+    books = {bits: (torch.randn(hkv, m, 256, d // m, generator=g) * 3,
+                    torch.linalg.qr(torch.randn(hkv, d, d, generator=g))[0])
+             for bits, m in ((2.0, d // 4), (4.0, d // 2))}
+    other = "v" if part == "k" else "k"
+    candidates = [{"k": {}, "v": {}}, {part: books, other: {4.0: books[4.0]}}]
+    got = measured_costs(model, seqs, candidates, window, [True, True], "cpu", progress=False)
+
+    def logits(bits):
+        def shift(layer, key, value):
+            z = [torch.zeros_like(key), torch.zeros_like(value)]
+            if layer == 1 and bits is not None:
+                x = (key if part == "k" else value)[0].transpose(0, 1)
+                rec = reconstruct(x, *books[bits]).transpose(0, 1)[None]
+                z[part == "v"] = rec - x.transpose(0, 1)[None]
+            return z
+
+        AttentionInterface.register("coded_by_hand", _coded_split_attention(window, {}, shift))
+        model.config._attn_implementation = "coded_by_hand"
+        with torch.no_grad():
+            return [model(torch.tensor([s])).logits[0].float().log_softmax(-1) for s in seqs]
+
+    exact = logits(None)
+    for bits in books:
+        kl = sum(float((p.exp() * (p - q)).sum()) for p, q in zip(exact, logits(bits)))
+        want = kl / (len(seqs) * t)
+        # 1e-8: the float32 floor of a KL summed over a 300-word vocabulary
+        assert want > 0 and abs(got[part][1][bits] - want) <= 1e-3 * want + 1e-8, (bits, got, want)
+    assert got[other][1][4.0] > 0 and got["k"][0] == got["v"][0] == {}
+
+
+def test_cost_sequences_end_every_second_one_in_a_copy_from_beyond_the_window():
+    """cost_sequences: seeded picks of the calibration sequences cut to COST_SEQ_LEN; every
+    second one's last eighth is an earlier span of it, which ends at least a window before
+    the copy starts (so serving reads it through codes), BOS never copied."""
+    from vllm_pq_backend.calibrate import COST_SEQ_LEN, COST_SEQS, cost_sequences
+
+    seqs = [[1] + [1000 * i + j for j in range(1, 6000 if i % 3 else 300)] for i in range(12)]
+    window = 128
+    out = cost_sequences(seqs, window, 0)
+    assert out == cost_sequences(seqs, window, 0) and len(out) == COST_SEQS
+    for i, s in enumerate(out):
+        n, span = len(s), len(s) // 8
+        src = next(x for x in seqs if x[1] == s[1])
+        assert n == min(len(src), COST_SEQ_LEN) and s[: n - span] == src[: n - span]
+        if i % 2 == 0:
+            assert s == src[:n]
+            continue
+        a = s[n - span] - src[1] + 1  # the copied span's start in the source
+        assert s[n - span :] == src[a : a + span] and a >= 1 and a + span <= n - span - window
+    assert cost_sequences(seqs, window, 1) != out
 
 
 def test_fisher_weights_lower_the_loss_weighted_error():

@@ -339,15 +339,34 @@ class _Blocks:
         self.window, self.pinned = window, pinned
         self.pos = torch.arange(t, device=device)
 
+    @classmethod
+    def of(cls, query, key, scaling, sliding_window, softcap, kwargs, block, window, pinned):
+        """The blocks of one call of a transformers attention function."""
+        if softcap:
+            raise CalibrationError("attention logit soft-capping is not supported by the "
+                                   "CUSTOM backend (nor by its calibration)")
+        hq, t, d = query.shape[1], key.shape[2], key.shape[-1]
+        scale = scaling if scaling is not None else d**-0.5
+        # gpt-oss's learned per-head sink logits (transformers passes them as s_aux): they
+        # join every row's softmax denominator, so the mass each key receives, and the
+        # output the next layers see, are the served model's
+        s_aux = kwargs.get("s_aux")
+        learned_sinks = None if s_aux is None else s_aux.detach().float().view(hq, 1, 1)
+        return cls(t, block, scale, sliding_window, learned_sinks, window, pinned, query.device)
+
     def __iter__(self):
         return ((lo, min(lo + self.block, self.t)) for lo in range(0, self.t, self.block))
 
-    def probs(self, qb, kr, lo, hi):
+    def probs(self, qb, kr, lo, hi, kr_coded=None):
+        """``kr_coded``: the keys as read through codes, where the block reads codes."""
         i = self.pos[lo:hi].view(-1, 1)
         causal = self.pos.view(1, -1) <= i
         if self.sliding_window:
             causal &= self.pos.view(1, -1) > i - self.sliding_window
-        p = (qb @ kr.transpose(1, 2) * self.scale).masked_fill(~causal, float("-inf"))
+        s = qb @ kr.transpose(1, 2)
+        if kr_coded is not None:
+            s = torch.where(self.coded(lo, hi), qb @ kr_coded.transpose(1, 2), s)
+        p = (s * self.scale).masked_fill(~causal, float("-inf"))
         if self.learned_sinks is None:
             return p.softmax(-1)
         # a column that takes mass and gives no value
@@ -440,9 +459,6 @@ class KVCapture:
                  sliding_window=None, softcap=None, **kwargs):
         """The layer's attention (causal, its sliding window if any, as transformers and
         vLLM: key j > i - sliding_window), recording the statistics on the way."""
-        if softcap:
-            raise CalibrationError("attention logit soft-capping is not supported by the "
-                                   "CUSTOM backend (nor by its calibration)")
         st = self.layers[module.layer_idx]
         record = module.layer_idx not in self.recorded and not self.sink_pass
         self.recorded.add(module.layer_idx)
@@ -451,14 +467,8 @@ class KVCapture:
         # detached: the statistics build no graph; with fisher, _CodedReads is the gradient
         q, k, v = (x[0].detach().float() for x in (query, key, value))  # [H, T, d]
         kr, vr = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)
-        scale = scaling if scaling is not None else d**-0.5
-        # gpt-oss's learned per-head sink logits (transformers passes them as s_aux): they
-        # join every row's softmax denominator, so the mass each key receives, and the
-        # output the next layers see, are the served model's
-        s_aux = kwargs.get("s_aux")
-        learned_sinks = None if s_aux is None else s_aux.detach().float().view(hq, 1, 1)
-        blocks = _Blocks(t, self.query_block, scale, sliding_window, learned_sinks,
-                         self.window, pinned=st.sink is not None, device=q.device)
+        blocks = _Blocks.of(query, key, scaling, sliding_window, softcap, kwargs,
+                            self.query_block, self.window, st.sink is not None)
         out = torch.empty_like(q)  # [Hq, T, d]
         mass = torch.zeros(hq, t, device=q.device)  # attention each key received as codes
         qa = torch.zeros(hq, d, d, device=q.device)
@@ -532,6 +542,18 @@ def _layers_checkpointed(model):
                 m._gradient_checkpointing_func = func
 
 
+def _logits_of(model):
+    """The model's next-token logits (fp32) from its last hidden states."""
+    head, cap = model.get_output_embeddings(), getattr(model.config.get_text_config(),
+                                                       "final_logit_softcapping", None)
+
+    def logits(h):
+        out = head(h).float()
+        return torch.tanh(out / cap) * cap if cap else out
+
+    return logits
+
+
 def _loss_backward(model, ids: torch.Tensor) -> None:
     """Backpropagate the sequence's next-token loss (summed) to its K and V, for
     KVCapture's Fisher rows, the decoder layers checkpointed (_layers_checkpointed). The
@@ -539,14 +561,10 @@ def _loss_backward(model, ids: torch.Tensor) -> None:
     sequence of a 262K-word vocabulary would otherwise hold tens of GB of them)."""
     from torch.utils.checkpoint import checkpoint
 
-    head, cap = model.get_output_embeddings(), getattr(model.config.get_text_config(),
-                                                       "final_logit_softcapping", None)
+    logits_of = _logits_of(model)
 
     def chunk_loss(h, target):
-        logits = head(h).float()
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
-        return torch.nn.functional.cross_entropy(logits, target, reduction="sum")
+        return torch.nn.functional.cross_entropy(logits_of(h), target, reduction="sum")
 
     emb = model.get_input_embeddings()(ids).detach().requires_grad_()  # a graph to the start
     n = ids.shape[1] - 1
@@ -773,23 +791,167 @@ def train_layer(st: LayerStats, m_k: int, m_v: int, method: Method, seed: int, d
     return dict(k=kc, v=vc, k_transform=tk, v_transform=tv, err_k=ek, err_v=ev)
 
 
+def reconstruct(x: torch.Tensor, cents: torch.Tensor, t: torch.Tensor | None) -> torch.Tensor:
+    """Rows ``x [n, H, d]`` as serving reads them back: the codes of ``x t`` decoded and
+    mapped back by ``t^-1`` (t None: identity)."""
+    from .reference import decode_codes, encode
+
+    xt = x if t is None else torch.einsum("nhd,hde->nhe", x, t)
+    rec = decode_codes(encode(xt, cents), cents)
+    if t is not None:
+        rec = torch.einsum("nhe,hed->nhd", rec, torch.linalg.inv(t.double()).to(rec))
+    return rec
+
+
+COST_SEQS = 8  # sequences measured_costs runs; every second one ends in a copied span
+COST_SEQ_LEN = 4096  # their most tokens: far enough for reads through codes at distance;
+# each candidate costs a forward pass of every one, and attention grows with length squared
+
+
+def cost_sequences(seqs: list[list[int]], window: int, seed: int) -> list[list[int]]:
+    """What measured_costs scores: ``COST_SEQS`` of the calibration sequences (seeded), cut to
+    ``COST_SEQ_LEN`` tokens, every second one with its last eighth replaced by a copy of an
+    earlier span that lies beyond the window, so read through codes. Copying from far back
+    is what retrieval (passkeys, quoting) does, and plain text rarely needs it: a cost on
+    plain text alone rates the layers that do it as cheap (docs/design.md)."""
+    import random
+
+    rng = random.Random(seed)
+    picked = rng.sample(seqs, min(COST_SEQS, len(seqs)))
+    out = []
+    for i, s in enumerate(picked):
+        s = s[:COST_SEQ_LEN]
+        n, span = len(s), len(s) // 8
+        last = n - 2 * span - window  # the latest start whose span ends a window back
+        if i % 2 and span and last >= 1:
+            a = rng.randint(1, last)
+            s = s[: n - span] + s[a : a + span]
+        out.append(s)
+    return out
+
+
+class CodedLayer:
+    """A transformers attention function with one layer's K or V read through codes where
+    serving reads them (``_Blocks.coded``), every other read exact: the model as served
+    with only that part coded (measured_costs)."""
+
+    NAME = "pq_coded_layer"
+
+    def __init__(self, window: int, pinned: list[bool]):
+        self.window, self.pinned = window, pinned  # pinned: per layer, position 0 exact
+        self.query_block = QUERY_BLOCK
+        self.target = None  # (layer, "k" or "v", centroids, transform), or None: all exact
+
+    def __call__(self, module, query, key, value, attention_mask, scaling=None,
+                 sliding_window=None, softcap=None, **kwargs):
+        i = module.layer_idx
+        g = query.shape[1] // key.shape[1]
+        q, k, v = (x[0].float() for x in (query, key, value))  # [H, T, d]
+        blocks = _Blocks.of(query, key, scaling, sliding_window, softcap, kwargs,
+                            self.query_block, self.window, self.pinned[i])
+        kr, vr = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)
+        kc = vc = None
+        if self.target is not None and self.target[0] == i:
+            _, part, cents, t = self.target
+            x = (k if part == "k" else v).transpose(0, 1)  # [T, H, d]
+            coded = reconstruct(x, cents, t).transpose(0, 1).repeat_interleave(g, 0)
+            kc, vc = (coded, None) if part == "k" else (None, coded)
+        out = torch.empty_like(q)
+        for lo, hi in blocks:
+            p = blocks.probs(q[:, lo:hi], kr, lo, hi, kc)
+            if vc is None:
+                out[:, lo:hi] = p @ vr
+            else:
+                c = blocks.coded(lo, hi)
+                out[:, lo:hi] = (p * ~c) @ vr + (p * c) @ vc
+        return out.transpose(0, 1)[None].to(query.dtype), None
+
+
+def measured_costs(model, seqs: list[list[int]], candidates: list[dict], window: int,
+                   pinned: list[bool], device, progress: bool = True) -> dict:
+    """What coding each layer's K or V with each candidate codebook costs the model's
+    predictions, measured: ``candidates`` per layer ``{"k": {label: (centroids, transform)},
+    "v": ...}``; returns ``{"k": [per layer {label: cost}], "v": ...}``, the cost the KL
+    divergence from the exact model's next-token distribution to the one with only that
+    part coded, summed over ``seqs``' positions and divided by their count. Unlike the loss
+    (coding_cost), KL sees a confident prediction that codes spoil, such as a copy, whose
+    gradient is small. Give a float32 model: in bf16 every change to one layer's reads
+    re-rounds every later activation, and that alone costs about 0.0015 (SmolLM2-135M),
+    more than most parts' codes do."""
+    from tqdm import tqdm
+    from transformers import AttentionInterface
+
+    att = CodedLayer(window, pinned)
+    AttentionInterface.register(CodedLayer.NAME, att)
+    model.config._attn_implementation = CodedLayer.NAME
+    logits_of, decoder = _logits_of(model), model.get_decoder()
+    runs = [(i, part, label, ct) for i, layer in enumerate(candidates)
+            for part in ("k", "v") for label, ct in layer[part].items()]
+    total, positions = [0.0] * len(runs), 0
+
+    def hidden(ids):
+        return decoder(input_ids=ids, use_cache=False).last_hidden_state[0]
+
+    bar = tqdm(total=len(seqs) * len(runs), desc="KL of each candidate's codes", unit="pass",
+               disable=not progress)
+    with torch.inference_mode():
+        for s in seqs:
+            ids = torch.tensor([s], device=device)
+            att.target = None
+            ref = hidden(ids)
+            for j, (i, part, _, (cents, t)) in enumerate(runs):
+                att.target = (i, part, cents, t)
+                h = hidden(ids)
+                for a in range(0, len(s), LOSS_CHUNK):
+                    lp = logits_of(ref[a : a + LOSS_CHUNK]).log_softmax(-1)
+                    lq = logits_of(h[a : a + LOSS_CHUNK]).log_softmax(-1)
+                    total[j] += float((lp.exp() * (lp - lq)).sum())
+                bar.update()
+            positions += len(s)
+    bar.close()
+    costs = {"k": [{} for _ in candidates], "v": [{} for _ in candidates]}
+    for (i, part, label, _), c in zip(runs, total):
+        costs[part][i][label] = max(0.0, c / positions)  # KL >= 0; rounding can dip below
+    return costs
+
+
+# The trainings of K that --fit-k measured tries in every layer (Method fields over the
+# method's own): the query metric at exponent 1 (the exact score error) instead of 0.5,
+# tokens weighted by attention mass^0.5, both. On SmolLM2 at 4 bits each cut one of the two
+# largest parts of the KL 4-30x and raised others: no one training is best in every layer.
+K_FITS = {"default": {}, "query": dict(k_gamma=1.0), "mass": dict(k_alpha=0.5),
+          "query+mass": dict(k_gamma=1.0, k_alpha=0.5)}
+
+
+def fit_k(stats, model, seqs, m_ks: list[int], method: Method, seed: int, window: int, device,
+          progress: bool = True):
+    """Each layer's K trained every way of ``K_FITS`` (over ``method``) at its ``m_ks``
+    width, each priced by measured_costs on cost_sequences of ``seqs``, the cheapest kept.
+    Returns each layer's K as trained (_train_part's result), its training's name, and the
+    costs ``[per layer {name: KL}]``."""
+    trained = []
+    for st, mk in zip(stats, m_ks):
+        with st.held_on(device):
+            trained.append({name: _train_part(st, "k", mk, replace(method, **over), seed, device)
+                            for name, over in K_FITS.items()})
+    pinned = [st.sink is not None for st in stats]
+    costs = measured_costs(model, cost_sequences(seqs, window, seed),
+                           [{"k": {n: (c, t) for n, (c, t, _) in layer.items()}, "v": {}}
+                            for layer in trained], window, pinned, device, progress)["k"]
+    names = [min(c, key=c.get) for c in costs]
+    return [layer[n] for layer, n in zip(trained, names)], names, costs
+
+
 def coding_cost(st: LayerStats, part: str, cents: torch.Tensor, t: torch.Tensor | None,
                 device) -> float:
     """What coding this layer's K (``part`` "k") or V ("v") with centroids ``cents`` (in
     the space of map ``t``) costs the loss, to second order with the empirical Fisher: the
     sum over the sampled rows of ``(g . e)^2``, g the row's gradient through coded reads
     (capture(fisher=True)), e its coding error."""
-    from .reference import decode_codes, encode
-
     if not getattr(st, "g" + part):
         raise CalibrationError("the cost of codes by layer needs capture(fisher=True)")
     x, g = st.rows(part).to(device), st.rows("g" + part).to(device)
-    cents = cents.to(device)
-    t = None if t is None else t.to(device)
-    xt = x if t is None else torch.einsum("nhd,hde->nhe", x, t)
-    rec = decode_codes(encode(xt, cents), cents)
-    if t is not None:
-        rec = torch.einsum("nhe,hed->nhd", rec, torch.linalg.inv(t.double()).to(rec))
+    rec = reconstruct(x, cents.to(device), None if t is None else t.to(device))
     return float(((x - rec) * g).sum(-1).double().square().sum())
 
 
@@ -836,9 +998,13 @@ def train(stats: list[LayerStats], m_k, m_v, method, seed: int, device,
                     for key, val in train_layer(st, mk, mv, meth, seed, device, kp, vp).items()})
 
     def stack(key, listed=False):
-        if out[0][key] is None:
+        got = [o[key] for o in out]
+        if all(x is None for x in got):
             return None
-        return [o[key] for o in out] if listed else torch.stack([o[key] for o in out])
+        if key.endswith("transform"):  # layers trained without a map (fit_k): the identity
+            eye = next(x for x in got if x is not None)
+            got = [torch.eye(eye.shape[-1]).expand_as(eye) if x is None else x for x in got]
+        return got if listed else torch.stack(got)
 
     return dict(k=stack("k", isinstance(m_k, list)), v=stack("v", isinstance(m_v, list)),
                 k_transform=stack("k_transform"), v_transform=stack("v_transform"),
@@ -893,6 +1059,14 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{pairs}) for a mean of at most BITS per element, K and V together, "
                         "by what each costs the loss (one backward pass per sequence): e.g. "
                         "--bits-mean 3")
+    p.add_argument("--fit-k", choices=["fixed", "measured"], default="fixed",
+                   help="how each layer's K codebook is trained: fixed (default), every layer "
+                        "the same way (--method); measured, each layer's K trained %d ways "
+                        "(query metric exponent 0.5 or 1, attention-mass weights or none) and "
+                        "the one whose codes change the model's next-token distribution least "
+                        "kept (KL in float32 over %d calibration sequences, half ending in a "
+                        "span copied from far back: %d forward passes per layer and sequence)"
+                        % (len(K_FITS), COST_SEQS, len(K_FITS)))
     p.add_argument("--m", type=int, default=None,
                    help="K subspaces per head instead of --bits (head_dim/2 is 4 bits)")
     p.add_argument("--m-v", type=int, default=None,
@@ -1247,7 +1421,6 @@ def _run(args, parser) -> int:
               f"centroids; k-means wants at least {39 * NUM_CENTROIDS}", file=sys.stderr)
     stats = capture(model, tok, seqs, min(1.0, args.samples / total), args.seed, args.window,
                     args.device, fisher=backward)
-    del model
     samples = int(sum(x.shape[0] for x in stats[0].k))
     if samples < NUM_CENTROIDS:  # rows kept per sequence are rounded
         raise CalibrationError(f"{samples} samples per head kept; k-means needs "
@@ -1260,6 +1433,16 @@ def _run(args, parser) -> int:
         m, m_v = base_m(m_ks), base_m(m_vs)
         what = describe_layers_m(d, m_ks, m_vs)
         print(f"bits chosen by cost: {what}", flush=True)
+    k_fit = None
+    if args.fit_k == "measured":
+        k_parts, names, k_costs = fit_k(stats, model.float(), seqs, m_ks, method_at(m_v),
+                                        args.seed, args.window, args.device)
+        parts = [(kp, vp) for kp, (_, vp) in zip(k_parts, parts or [(None, None)] * len(k_parts))]
+        k_fit = {"candidates": K_FITS, "chosen": names,
+                 "kl": [{n: float(f"{c:.6g}") for n, c in layer.items()} for layer in k_costs]}
+        print("K's training by layer: " + ", ".join(
+            f"{n} {names.count(n)}" for n in K_FITS if n in names), flush=True)
+    del model
     out = args.out or default_codebook_path(args.model, m, m_v, m_vs, m_ks)
     method = method_at(m_v)
     books = train(stats, m_ks, m_vs, [method_at(mv) for mv in m_vs], args.seed, args.device,
@@ -1279,6 +1462,7 @@ def _run(args, parser) -> int:
            if (other := layers_of_m(m_vs, m_v)) else {}),
         **({"bits_mean": args.bits_mean} if args.bits_mean is not None else {}),
         **({"bits_v_mean": args.bits_v_mean} if args.bits_v_mean is not None else {}),
+        **({"k_fit": k_fit} if k_fit else {}),
         **({f"{part}_cost": [{f"{b:g}": float(f"{c:.6g}") for b, c in layer.items()}
                              for layer in costs[part]] for part in costs} if costs else {}),
         "rel_mse_k": books["rel_mse_k"], "rel_mse_v": books["rel_mse_v"],

@@ -23,6 +23,10 @@ attention mass each token receives from such queries. Then per (layer, KV head):
   the store and the attention output back); at 2 bits and fewer it is first mapped by
   the o_proj metric G^(1/4) (G = W_o^T W_o of the head's output columns: what a value
   error costs after the output projection).
+* ``--fit-k measured`` does not assume one training of K for every layer: each layer's K
+  is trained the ways of ``K_FITS`` (query metric exponent, attention-mass weights) and
+  the one whose codes change the model's next-token distribution least is kept (KL in
+  float32 on calibration sequences, half of them ending in a span copied from far back).
 * The first token (BOS, an attention sink) is pinned: exact in every codebook.
 * Learned sink logits (gpt-oss) join every softmax as the model computes them. They are
   weights, not cached, so nothing of them is coded.
@@ -917,8 +921,9 @@ def measured_costs(model, seqs: list[list[int]], candidates: list[dict], window:
 
 # The trainings of K that --fit-k measured tries in every layer (Method fields over the
 # method's own): the query metric at exponent 1 (the exact score error) instead of 0.5,
-# tokens weighted by attention mass^0.5, both. On SmolLM2 at 4 bits each cut one of the two
-# largest parts of the KL 4-30x and raised others: no one training is best in every layer.
+# tokens weighted by attention mass^0.5, both. Which is best differs by layer, and in a few
+# layers the default's error is many times the others' (docs/results.md, K's training by
+# layer).
 K_FITS = {"default": {}, "query": dict(k_gamma=1.0), "mass": dict(k_alpha=0.5),
           "query+mass": dict(k_gamma=1.0, k_alpha=0.5)}
 
@@ -926,7 +931,7 @@ K_FITS = {"default": {}, "query": dict(k_gamma=1.0), "mass": dict(k_alpha=0.5),
 def fit_k(stats, model, seqs, m_ks: list[int], method: Method, seed: int, window: int, device,
           progress: bool = True):
     """Each layer's K trained every way of ``K_FITS`` (over ``method``) at its ``m_ks``
-    width, each priced by measured_costs on cost_sequences of ``seqs``, the cheapest kept.
+    width, each priced by measured_costs on ``seqs`` (cost_sequences), the cheapest kept.
     Returns each layer's K as trained (_train_part's result), its training's name, and the
     costs ``[per layer {name: KL}]``."""
     trained = []
@@ -935,8 +940,7 @@ def fit_k(stats, model, seqs, m_ks: list[int], method: Method, seed: int, window
             trained.append({name: _train_part(st, "k", mk, replace(method, **over), seed, device)
                             for name, over in K_FITS.items()})
     pinned = [st.sink is not None for st in stats]
-    costs = measured_costs(model, cost_sequences(seqs, window, seed),
-                           [{"k": {n: (c, t) for n, (c, t, _) in layer.items()}, "v": {}}
+    costs = measured_costs(model, seqs, [{"k": {n: (c, t) for n, (c, t, _) in layer.items()}, "v": {}}
                             for layer in trained], window, pinned, device, progress)["k"]
     names = [min(c, key=c.get) for c in costs]
     return [layer[n] for layer, n in zip(trained, names)], names, costs
@@ -1413,9 +1417,10 @@ def _run(args, parser) -> int:
     print(f"calibration: {docs.count} documents, {len(seqs)} sequences, {total} tokens, "
           f"{what}, device {args.device}", flush=True)
     backward = by_cost or any(method_at(mv).fisher for mv in set(m_vs))
-    if torch.device(args.device).type == "cpu":
-        print(cpu_warning(sum(p.numel() for p in model.parameters()), total, backward),
-              file=sys.stderr, flush=True)
+    cost_seqs = cost_sequences(seqs, args.window, args.seed) if args.fit_k == "measured" else []
+    if torch.device(args.device).type == "cpu":  # the fit's passes are forward passes too
+        print(cpu_warning(sum(p.numel() for p in model.parameters()), total + len(K_FITS) * len(
+            m_vs) * sum(map(len, cost_seqs)), backward), file=sys.stderr, flush=True)
     if min(args.samples, total) < 39 * NUM_CENTROIDS:
         print(f"calibrate: warning: {min(args.samples, total)} samples per head is few for 256 "
               f"centroids; k-means wants at least {39 * NUM_CENTROIDS}", file=sys.stderr)
@@ -1435,7 +1440,7 @@ def _run(args, parser) -> int:
         print(f"bits chosen by cost: {what}", flush=True)
     k_fit = None
     if args.fit_k == "measured":
-        k_parts, names, k_costs = fit_k(stats, model.float(), seqs, m_ks, method_at(m_v),
+        k_parts, names, k_costs = fit_k(stats, model.float(), cost_seqs, m_ks, method_at(m_v),
                                         args.seed, args.window, args.device)
         parts = [(kp, vp) for kp, (_, vp) in zip(k_parts, parts or [(None, None)] * len(k_parts))]
         k_fit = {"candidates": K_FITS, "chosen": names,

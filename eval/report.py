@@ -137,6 +137,11 @@ def chosen_words(row: dict) -> str:
                    for key in ("bits_mean", "bits_v_mean") if row.get(key) is not None)
 
 
+def k_fit_words(row: dict) -> str:
+    """K's training chosen by layer (calibrate --fit-k measured), or ""."""
+    return ", K's training by layer (--fit-k measured)" if row.get("k_fit") else ""
+
+
 def custom_name(bits_k: int, bits_v: float, row: dict | None = None) -> str:
     """CUSTOM by bits per element; with ``row`` (codebook_meta's fields), the layers whose
     V bits differ from the others', and the average."""
@@ -154,7 +159,7 @@ def cache_name(row: dict) -> str:
     if row.get("bits_k") in (None, 16):
         return row["label"]
     return (custom_name(row["bits_k"], row["bits_v"], row) + chosen_words(row) + exact_words(row)
-            + v_training(row) + fisher_words(row) + calibration(row))
+            + v_training(row) + fisher_words(row) + k_fit_words(row) + calibration(row))
 
 
 def quality_configs(rs: list[dict]) -> list[tuple[str, list[dict]]]:
@@ -204,6 +209,16 @@ def kv_allocation() -> str:
 @table("long-bits-2k")
 def long_bits_2k() -> str:
     return quality_table("long_bits_by_layer_2k.json")
+
+
+@table("k-fit-2k")
+def k_fit_2k() -> str:
+    return quality_table("k_fit_2k.json")
+
+
+@table("k-fit-k4v2-2k")
+def k_fit_k4v2_2k() -> str:
+    return quality_table("k_fit_k4v2_2k.json")
 
 
 @table("kv-allocation-layers")
@@ -1000,6 +1015,9 @@ ABLATION = [
     ("SmolLM2-135M", "long_calibration.json",
      "CUSTOM K4/V4 bits W=128, calibrated on 2K- and 8K-token packed sequences",
      "from 2K- and 8K-token sequences"),
+    ("SmolLM2-135M", "long_k_fit.json", "CUSTOM K4/V4 bits W=128", "the default, calibrated again"),
+    ("SmolLM2-135M", "long_k_fit.json", "CUSTOM K4/V4 bits, K's training by layer W=128",
+     "K's training by layer (--fit-k measured), the same calibration otherwise"),
     ("SmolLM2-135M", "long_context.json", "CUSTOM K4/V2 bits W=128", "K4/V2, the default calibration"),
     ("SmolLM2-135M", "long_bits_by_layer.json",
      "CUSTOM K4/V2 bits W=128, calibrated on 2K- and 8K-token packed sequences",
@@ -1129,6 +1147,16 @@ def layer_kl() -> str:
         f"saw); window {data['window']}. The model of `{data['model']}` in {data['dtype']} in "
         f"transformers with the backend's reads simulated (eval/accuracy_sim.py), "
         f"{data['device']}, {day(data['date'])}. " + source("layer_kl.json")])
+
+
+@table("k-fit-retrieval")
+def k_fit_retrieval() -> str:
+    return retrieval_table("long_k_fit.json")
+
+
+@table("k-fit-fidelity")
+def k_fit_fidelity() -> str:
+    return fidelity_table("long_k_fit.json")
 
 
 @table("long-bits-retrieval")

@@ -228,11 +228,11 @@ def test_long_ablation_has_a_row_per_idea_from_its_own_run():
         line = next(x for x in section.splitlines() if x.startswith(f"| {bits} | {idea} |"))
         assert line.endswith(f"| `{file}` |")
     assert [line.split(" | ")[0] for line in table.splitlines() if line.startswith("| ") and "`" in line] == [
-        "| 8", "| 4", "| 4", "| 4", "| 3", "| 3", "| 3", "| 3", "| 2", "| 2",
+        "| 8", "| 4", "| 4", "| 4", "| 4", "| 4", "| 3", "| 3", "| 3", "| 3", "| 2", "| 2",
         "| 8", "| 4", "| 4", "| 4", "| 4", "| 4", "| 4.27", "| 3", "| 3.27", "| 2"]
     # a cell is that cache's change against bf16 of the same file, starred past chance
     sec = report.long_models("long_bits_by_layer.json")["SmolLM2-135M"]
-    label = report.ABLATION[5][2]
+    label = report.ABLATION[7][2]
     r = next(r for r in sec["retrieval"] if r["engine"] == label and r["task"] == "passkey"
              and r["length"] == 2048)
     assert row(table, "3", 1).split(" | ")[3].startswith(f"{r['delta_points']:+.1f}*")
@@ -247,3 +247,12 @@ def test_long_ablation_names_a_cache_its_file_lacks(tmp_path, monkeypatch):
     monkeypatch.setattr(report, "RESULTS", tmp_path)
     with pytest.raises(SystemExit, match="long_bits_by_layer.json has no SmolLM2-135M cache"):
         report.TABLES["long-ablation"]()
+
+
+def test_files_with_ks_training_by_layer_are_named_apart_from_the_others():
+    """calibrate --fit-k measured files (codebook_meta's k_fit) and the same command's files
+    without it are two rows, each named for its training."""
+    for name in ("k-fit-2k", "k-fit-retrieval"):
+        table = report.TABLES[name]()
+        assert "| CUSTOM 4 bits, K's training by layer (--fit-k measured) |" in table
+        assert "| CUSTOM 4 bits |" in table

@@ -1119,10 +1119,19 @@ def needle_errors() -> str:
 
 @table("layer-kl")
 def layer_kl() -> str:
+    return layer_kl_table("layer_kl.json")
+
+
+@table("layer-kl-fit")
+def layer_kl_fit() -> str:
+    return layer_kl_table("layer_kl_fit.json")
+
+
+def layer_kl_table(file: str) -> str:
     """Each codebook file's KL from the exact model's next-token distribution with every part
     coded, and with each layer's K or V coded alone (eval/layer_kl.py): the sums over
     layers and the parts that cost most."""
-    data = load("layer_kl.json")
+    data = load(file)
     body = []
     for meta in data["codebooks"]:
         rs = [r for r in data["rows"] if r["codebook_sha256"] == meta["codebook_sha256"]]
@@ -1131,8 +1140,8 @@ def layer_kl() -> str:
         total = sum(r["kl"] for r in parts)
         part_sum = {p: sum(r["kl"] for r in parts if r["part"] == p) for p in "kv"}
         top = sorted(parts, key=lambda r: -r["kl"])[:5]
-        body.append([custom_name(meta["bits_k"], meta["bits_v"]) + calibration(meta),
-                     f"{whole:.5f}", f"{total:.5f}",
+        body.append([custom_name(meta["bits_k"], meta["bits_v"]) + k_fit_words(meta)
+                     + calibration(meta), f"{whole:.5f}", f"{total:.5f}",
                      f"{part_sum['k']:.5f} ({100 * part_sum['k'] / total:.0f}%)",
                      f"{part_sum['v']:.5f} ({100 * part_sum['v'] / total:.0f}%)",
                      ", ".join(f"{r['part'].upper()} of layer {r['layer']} "
@@ -1146,7 +1155,7 @@ def layer_kl() -> str:
         f"{data['length']:,} tokens of {', '.join(data['text'])} (text the codebooks never "
         f"saw); window {data['window']}. The model of `{data['model']}` in {data['dtype']} in "
         f"transformers with the backend's reads simulated (eval/accuracy_sim.py), "
-        f"{data['device']}, {day(data['date'])}. " + source("layer_kl.json")])
+        f"{data['device']}, {day(data['date'])}. " + source(file)])
 
 
 @table("k-fit-retrieval")

@@ -906,6 +906,9 @@ def measured_costs(model, seqs: list[list[int]], candidates: list[dict], window:
             for j, (i, part, _, (cents, t)) in enumerate(runs):
                 att.target = (i, part, cents, t)
                 h = hidden(ids)
+                # the exact model's log-probabilities are made again for every candidate:
+                # a sequence's whole would hold positions x vocabulary floats (4 GB for
+                # Gemma 3 at 4K tokens), and the head costs little beside the decoder
                 for a in range(0, len(s), LOSS_CHUNK):
                     lp = logits_of(ref[a : a + LOSS_CHUNK]).log_softmax(-1)
                     lq = logits_of(h[a : a + LOSS_CHUNK]).log_softmax(-1)
